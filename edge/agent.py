@@ -1,0 +1,233 @@
+"""The edge agent: one long-lived process per device that owns the model, the optimizer, the data partition,
+the codec memory and DGA's bookkeeping, and trains continuously in a background thread.
+
+Flower's ClientApp (a fresh process per message) connects over a Unix socket with one ``train`` request per
+message: the agent takes the newest global model if one is attached, and answers with every update it has
+ready — waiting for one only while it can still train. So training goes on while messages, process start-ups
+and uploads happen, and it pauses only at DGA's staleness bound (round t needs the global model of round
+t − D − 1; D = 0 is FedAvg's lock-step).
+
+    python -m edge.agent --socket /run/edgefl/agent.sock
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge.data import load_dataset, partition_indices
+from edge.health import health_snapshot
+from edge.models import build_model, get_flat_params, param_layout, set_flat_params
+from edge.protocol import ProtocolError, recv_frame, send_frame
+from edge.trainer import LocalTrainer
+from strategies.codecs import make_client_codec, server_compressor
+from strategies.dga import DelayedAveragingClient
+
+log = logging.getLogger("edgefl.agent")
+
+
+@dataclass
+class ReadyUpdate:
+    round: int
+    stype: str
+    payload: bytes
+    num_examples: int
+    train_s: float
+    loss: float
+
+
+class Session:
+    """One run's state on this device. Everything that must outlive a Flower message lives here."""
+
+    def __init__(self, job: dict[str, Any], partition_id: int, num_partitions: int) -> None:
+        self.job = job
+        self.partition_id = partition_id
+        dataset = load_dataset(job["dataset"], job.get("data-dir") or None)
+        parts = partition_indices(dataset, job["partition"], num_partitions, job["seed"])
+        idx = parts[partition_id]
+        self.num_examples = len(idx)
+        self.model = build_model(dataset, job["seed"])
+        self.layout = param_layout(self.model)
+        self.trainer = LocalTrainer(
+            self.model,
+            dataset.x_train[idx],
+            dataset.y_train[idx],
+            job["batch-size"],
+            job["lr"],
+            job["momentum"],
+            seed=job["seed"] * 1000 + partition_id,
+        )
+        self.codec = make_client_codec(job["codec"], self.layout, seed=job["seed"] * 1000 + partition_id)
+        self.dga = DelayedAveragingClient(job["delay"], job["correction"])
+        self.last_round = job["rounds"]
+        self.next_round = 1
+        self.outbox: list[ReadyUpdate] = []
+        self.training = False
+
+    def can_train(self) -> bool:
+        return self.next_round <= self.last_round and self.dga.can_start(self.next_round)
+
+    def train_one_round(self, round_: int, start: np.ndarray) -> ReadyUpdate:
+        """K local steps from ``start``; the update is what the server will decode, Δ = w_end − w_start."""
+        t0 = time.perf_counter()
+        set_flat_params(self.model, start)
+        loss = self.trainer.train_steps(self.job["local-steps"])
+        update = get_flat_params(self.model) - start
+        stype, payload = self.codec.encode(update, round_)
+        sent = server_compressor(stype).decode(payload, self.layout)
+        self.dga.record_sent(round_, sent)
+        return ReadyUpdate(round_, stype, payload, self.num_examples, time.perf_counter() - t0, loss)
+
+
+class EdgeAgent:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._session: Session | None = None
+        self._error: str | None = None
+        self._stop = False
+
+    # ----- the trainer thread -------------------------------------------------------------------------
+    def _train_forever(self, session: Session) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._session is not session or session.can_train())
+                if self._stop or self._session is not session:
+                    return
+                round_ = session.next_round
+                start = session.dga.start_params()
+                session.training = True
+            try:
+                ready = session.train_one_round(round_, start)
+            except Exception as exc:
+                log.exception("training failed")
+                with self._cond:
+                    self._error = f"training round {round_} failed: {exc}"
+                    session.training = False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                session.outbox.append(ready)
+                session.next_round = max(session.next_round, round_ + 1)
+                session.training = False
+                self._cond.notify_all()
+
+    # ----- requests from the ClientApp ----------------------------------------------------------------
+    def _session_for(self, header: dict[str, Any]) -> Session:
+        job, pid, n = header["job"], int(header["partition-id"]), int(header["num-partitions"])
+        current = self._session
+        if current and current.job == job and current.partition_id == pid:
+            return current
+        session = Session(job, pid, n)  # loads data outside the lock-free fast path; takes seconds once
+        with self._cond:
+            self._session = session
+            self._error = None
+            self._cond.notify_all()
+        threading.Thread(target=self._train_forever, args=(session,), daemon=True, name="trainer").start()
+        log.info("new session: %s partition %d (%d examples)", job["dataset"], pid, session.num_examples)
+        return session
+
+    def handle_train(self, header: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        session = self._session_for(header)
+        with self._cond:
+            if header["global-round"] >= 0:
+                session.dga.receive_global(header["global-round"], np.frombuffer(blob, dtype=np.float32))
+            session.next_round = max(session.next_round, int(header["next-round"]))
+            self._cond.notify_all()
+            self._cond.wait_for(
+                lambda: session.outbox or self._error or (not session.training and not session.can_train())
+            )
+            if self._error:
+                return {"error": self._error}, b""
+            ready, session.outbox = session.outbox, []
+        meta = [
+            {
+                "round": u.round,
+                "stype": u.stype,
+                "size": len(u.payload),
+                "num_examples": u.num_examples,
+                "train_s": u.train_s,
+                "loss": u.loss,
+            }
+            for u in ready
+        ]
+        reply = {"partition-id": session.partition_id, "updates": meta, "health": health_snapshot()}
+        return reply, b"".join(u.payload for u in ready)
+
+    def handle(self, header: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        op = header.get("op")
+        if op == "ping":
+            return {"pong": os.getpid()}, b""
+        if op == "train":
+            return self.handle_train(header, blob)
+        return {"error": f"unknown op {op!r}"}, b""
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
+def _serve_connection(agent: EdgeAgent, conn: socket.socket) -> None:
+    with conn:
+        try:
+            header, blob = recv_frame(conn)
+            try:
+                reply, out = agent.handle(header, blob)
+            except Exception as exc:
+                log.exception("request failed")
+                reply, out = {"error": f"{type(exc).__name__}: {exc}"}, b""
+            send_frame(conn, reply, out)
+        except (ProtocolError, OSError) as exc:
+            log.warning("connection dropped: %s", exc)
+
+
+def serve(socket_path: str) -> None:
+    """Accept ClientApp connections until SIGTERM/SIGINT; one thread per connection."""
+    agent = EdgeAgent()
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    server.listen(16)
+
+    def shutdown(*_: object) -> None:
+        agent.stop()
+        server.close()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    log.info("edge agent %d listening on %s", os.getpid(), socket_path)
+    try:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                break
+            threading.Thread(target=_serve_connection, args=(agent, conn), daemon=True).start()
+    finally:
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m edge.agent", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    serve(args.socket)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Local training and evaluation on the device: minibatch SGD through torch's own optimizer, whose state
+(momentum) lives as long as the trainer, across rounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class LocalTrainer:
+    """K local steps at a time over one client's partition, reshuffled (seeded) every epoch."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        x: np.ndarray,
+        y: np.ndarray,
+        batch_size: int,
+        lr: float,
+        momentum: float,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.x = torch.from_numpy(x)
+        self.y = torch.from_numpy(y)
+        self.batch_size = min(batch_size, len(y))
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        self._rng = np.random.default_rng(seed)
+        self._order = self._rng.permutation(len(y))
+        self._pos = 0
+        self._loss = nn.CrossEntropyLoss()
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pos + self.batch_size > len(self._order):
+            self._order = self._rng.permutation(len(self._order))
+            self._pos = 0
+        idx = torch.from_numpy(self._order[self._pos : self._pos + self.batch_size])
+        self._pos += self.batch_size
+        return self.x[idx], self.y[idx]
+
+    def train_steps(self, steps: int) -> float:
+        """Run ``steps`` optimizer steps; returns the mean training loss."""
+        self.model.train()
+        total = 0.0
+        for _ in range(steps):
+            xb, yb = self._next_batch()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._loss(self.model(xb), yb)
+            loss.backward()
+            self.optimizer.step()
+            total += float(loss.detach())
+        return total / max(steps, 1)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy on (x, y)."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(y), batch_size):
+        xb = torch.from_numpy(x[start : start + batch_size])
+        yb = torch.from_numpy(y[start : start + batch_size])
+        logits = model(xb)
+        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == yb).sum())
+    return loss_sum / len(y), correct / len(y)

@@ -1,0 +1,166 @@
+"""The ``edgefl`` command.
+
+    edgefl run [--config FILE] [--strategy fedavg|dga:D|flower-fedavg] [--dataset ...] ...
+    edgefl report runs/A runs/B ... [--out DIR]
+    edgefl netem apply|show|clear|verify ...
+
+A user error prints one line (``edgefl: error: ...``) and exits 2; Ctrl-C stops everything and exits 130."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from edgefl.config import ConfigError, RunConfig, build_config
+from edgefl.processes import LaunchError
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from edge.data import DataError
+    from edgefl.report import ReportError
+    from netem.profiles import LinkError
+    from strategies.spec import StrategyError
+
+    return ConfigError, DataError, LaunchError, LinkError, ReportError, StrategyError
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The settings of a run, as flags that override ``--config``; None means 'not given'."""
+    p.add_argument("--config", type=Path, help="TOML file with the same settings (flags override it)")
+    p.add_argument("--strategy", help="fedavg | dga:D | dga:D:nocorrection | flower-fedavg")
+    p.add_argument("--delay", type=int, help="DGA's delay D (same as --strategy dga:D)")
+    p.add_argument("--no-correction", action="store_true", help="DGA ablation: apply stale averages uncorrected")
+    p.add_argument("--dataset", help="digits | fashion-mnist | mnist | shakespeare | hf:NAME")
+    p.add_argument("--data-dir", help="folder with the data set's files (mnist, or a local fashion-mnist)")
+    p.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K | natural")
+    p.add_argument("--clients", type=int)
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--local-steps", type=int, help="K: local SGD steps per round")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--momentum", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--target-accuracy", type=float)
+    p.add_argument(
+        "--profile",
+        help="link profile(s): loopback (no namespaces), or e.g. long-distance, "
+        "home-wifi,home-wifi,long-distance (one per client)",
+    )
+    p.add_argument("--compress", help="update codec: none, topk:R, dgc:S, powersgd:R, onebit, terngrad, ...")
+    p.add_argument("--quorum", type=float, help="fraction of clients that closes a round after its deadline")
+    p.add_argument("--round-deadline-s", type=float, help="seconds a round waits for stragglers")
+    p.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
+
+
+def config_from_args(args: argparse.Namespace, **defaults: object) -> RunConfig:
+    strategy = args.strategy
+    if args.delay is not None or args.no_correction:
+        base = (strategy or "dga").split(":")[0]
+        if base != "dga":
+            raise ConfigError("--delay and --no-correction apply to --strategy dga only")
+        delay = args.delay if args.delay is not None else (strategy or "").partition(":")[2].split(":")[0]
+        if delay in ("", None):
+            raise ConfigError("dga needs a delay: --delay D or --strategy dga:D")
+        strategy = f"dga:{delay}" + (":nocorrection" if args.no_correction else "")
+    keys = (
+        "dataset",
+        "data_dir",
+        "partition",
+        "clients",
+        "rounds",
+        "local_steps",
+        "batch_size",
+        "lr",
+        "momentum",
+        "seed",
+        "target_accuracy",
+        "profile",
+        "compress",
+        "quorum",
+        "round_deadline_s",
+        "port",
+    )
+    overrides = {k: getattr(args, k) for k in keys}
+    return build_config(
+        args.config, **{**defaults, **overrides, "strategy": strategy, "out": getattr(args, "out", None)}
+    )
+
+
+def preflight(config: RunConfig) -> None:
+    """Fail before anything starts: the data set is installed and the partition fits it."""
+    from edge.data import load_dataset, partition_indices
+
+    dataset = load_dataset(config.dataset, config.data_dir or None)
+    partition_indices(dataset, config.partition, config.clients, config.seed)
+    if config.strategy == "flower-fedavg" and config.compress != "none":
+        raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from edgefl.launcher import run
+    from edgefl.report import load_run, plot_single, table
+
+    config = config_from_args(args)
+    preflight(config)
+    run_dir = run(config)
+    plots = plot_single(run_dir)
+    summary, _ = load_run(run_dir)
+    print(table([summary]))
+    print(f"results: {run_dir}  plots: {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from edgefl.report import report
+
+    text, plots = report(args.runs, args.out)
+    print(text)
+    print(f"plots: {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgefl", description="Federated learning for edge devices on Flower.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run one federation on this machine (real SuperLink + SuperNodes)")
+    add_run_options(p)
+    p.add_argument("--out", help="results folder (default runs/default)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("report", help="one table and one plot across finished runs")
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=Path("runs/report"))
+    p.set_defaults(func=cmd_report)
+
+    from netem.cli import register as register_netem
+
+    register_netem(sub)
+    return parser
+
+
+def _raise_interrupt(*_: object) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except _user_errors() as exc:
+        print(f"edgefl: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("edgefl: interrupted; every process this run started has been stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

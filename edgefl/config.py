@@ -1,0 +1,138 @@
+"""One run's settings: defaults, a TOML file (``--config``), then command-line flags, in that order.
+
+The resolved config is written to ``runs/NAME/config.toml``; it is the single source every process of the run
+reads (the ServerApp loads it by path), and it can be fed back with ``--config`` to repeat the run."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+import tomllib
+
+from strategies.codecs import parse_codec
+from strategies.spec import StrategyError, StrategySpec, parse_strategy
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; ``str()`` is one line for the user."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    strategy: str = "fedavg"
+    dataset: str = "fashion-mnist"
+    partition: str = "dirichlet:0.3"
+    clients: int = 4
+    rounds: int = 20
+    local_steps: int = 20
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    target_accuracy: float | None = None
+    out: str = "runs/default"
+    data_dir: str = ""
+    profile: str = "loopback"
+    link_backend: str = "loopback"
+    compress: str = "none"
+    quorum: float = 0.5
+    round_deadline_s: float = 120.0
+    port: int = 0
+
+    @property
+    def strategy_spec(self) -> StrategySpec:
+        return parse_strategy(self.strategy)
+
+    @property
+    def name(self) -> str:
+        return Path(self.out).name
+
+
+_FIELDS = {f.name: f for f in fields(RunConfig)}
+
+
+def _check(config: RunConfig) -> RunConfig:
+    try:
+        spec = parse_strategy(config.strategy)
+        parse_codec(config.compress)
+    except (StrategyError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    positive = {
+        "clients": config.clients,
+        "rounds": config.rounds,
+        "local_steps": config.local_steps,
+        "batch_size": config.batch_size,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key.replace('_', '-')} must be at least 1, got {value}")
+    if not config.lr > 0:
+        raise ConfigError(f"lr must be positive, got {config.lr}")
+    if not 0 <= config.momentum < 1:
+        raise ConfigError(f"momentum must be in [0, 1), got {config.momentum}")
+    if config.target_accuracy is not None and not 0 < config.target_accuracy <= 1:
+        raise ConfigError(f"target-accuracy must be in (0, 1], got {config.target_accuracy}")
+    if not 0 < config.quorum <= 1:
+        raise ConfigError(f"quorum must be in (0, 1], got {config.quorum}")
+    if config.round_deadline_s <= 0:
+        raise ConfigError(f"round-deadline-s must be positive, got {config.round_deadline_s}")
+    if not 0 <= config.port < 65536:
+        raise ConfigError(f"port must be in 0..65535, got {config.port}")
+    # The canonical spelling, so that a resolved config names DGA as dga:D.
+    return dataclasses.replace(config, strategy=spec.label)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    field = _FIELDS[key]
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ConfigError(f"{key.replace('_', '-')} cannot be empty")
+    try:
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key.replace('_', '-')} must be a number, got {value!r}") from None
+    return str(value)
+
+
+def build_config(file: str | Path | None = None, **overrides: Any) -> RunConfig:
+    """Defaults ← TOML file ← overrides (None means 'not given'). Keys may use - or _."""
+    values: dict[str, Any] = {}
+    if file is not None:
+        values.update(load_toml(file))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return _check(RunConfig(**{key: _coerce(key, value) for key, value in values.items()}))
+
+
+def load_toml(file: str | Path) -> dict[str, Any]:
+    path = Path(file)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values = {key.replace("-", "_"): value for key, value in raw.items()}
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting {unknown[0]!r}")
+    return values
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    data = {k.replace("_", "-"): v for k, v in dataclasses.asdict(config).items() if v is not None}
+    path.write_text(tomli_w.dumps(data))
+
+
+def load_config(path: Path) -> RunConfig:
+    return build_config(path)

@@ -1,0 +1,137 @@
+"""Starting and stopping the processes of a run. Stopping takes each started process together with every
+process it forked (Flower's SuperExec starts the ServerApp and ClientApps, some in sessions of their own),
+found by PID through /proc (Linux) before any signal is sent: SIGTERM, a grace period, then SIGKILL."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+GRACE_S = 5.0
+
+
+class LaunchError(RuntimeError):
+    """A process of the run could not be started or died; ``str()`` is one line for the user."""
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 5) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent PID, start time) of a live process, from /proc; None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def process_tree(pids: list[int]) -> dict[int, int]:
+    """``pids`` and all their descendants, as PID → start time (to never signal a recycled PID)."""
+    stats = {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _stat(int(e)))}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = {}, list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            tree[pid] = stats[pid][1]
+            todo.extend(children.get(pid, []))
+    return tree
+
+
+def _signal_all(tree: dict[int, int], sig: signal.Signals) -> None:
+    for pid, started in tree.items():
+        stat = _stat(pid)
+        if stat and stat[1] == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+
+class ProcessGroup:
+    """The processes of one run; ``stop()`` (or leaving the ``with``) ends every one of them."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.env,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise LaunchError(f"cannot start {name} ({argv[0]}): {exc.strerror}") from None
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise LaunchError(
+                    f"{name} exited with code {proc.returncode}; last log lines:\n" + tail(self.log_dir / f"{name}.log")
+                )
+
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Poll ``ready`` (a real readiness check, e.g. a connect) until true; fail early if a process died."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while not ready():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{what} was not ready within {timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+
+    def stop(self) -> None:
+        tree = process_tree([proc.pid for _, proc in self.procs])
+        _signal_all(tree, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for _, proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        _signal_all(tree, signal.SIGKILL)  # whatever ignored SIGTERM
+        for _, proc in self.procs:
+            proc.wait()
+        self.procs.clear()

@@ -1,0 +1,102 @@
+"""Reading finished runs back: the per-run plots, and ``edgefl report`` — one table and one plot across runs.
+
+Speedups are against the first run given: time-to-target ratio when both reached the target, else the ratio
+of wall-clock seconds per round."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from fl_server.results import SUMMARY, read_rounds
+
+
+class ReportError(ValueError):
+    """A folder that is not a finished run; ``str()`` is one line."""
+
+
+def load_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    path = run_dir / SUMMARY
+    if not path.exists():
+        raise ReportError(f"{run_dir} is not a finished edgefl run (no {SUMMARY})")
+    return json.loads(path.read_text()), read_rounds(run_dir)
+
+
+def label(summary: dict[str, Any]) -> str:
+    extra = "" if summary.get("compress", "none") == "none" else f" +{summary['compress']}"
+    return f"{summary['strategy']}{extra}"
+
+
+def plot_runs(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path, title: str) -> list[Path]:
+    """accuracy against wall-clock time and against rounds, one line per run; returns the PNG paths."""
+    paths = []
+    for x_key, x_label, suffix in (("wall_s", "wall-clock time (s)", "time"), ("round", "round", "rounds")):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for summary, rows in runs:
+            ax.plot([r[x_key] for r in rows], [r["test_accuracy"] for r in rows], marker=".", label=label(summary))
+        target = runs[0][0].get("target_accuracy")
+        if target:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("test accuracy")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out / f"accuracy_vs_{suffix}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_single(run_dir: Path) -> list[Path]:
+    summary, rows = load_run(run_dir)
+    title = f"{label(summary)} — {summary['dataset']} {summary['partition']}, {summary['link_profile']}"
+    return plot_runs([(summary, rows)], run_dir, title)
+
+
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def speedup(base: dict[str, Any], other: dict[str, Any]) -> float | None:
+    if base.get("time_to_target_s") and other.get("time_to_target_s"):
+        return base["time_to_target_s"] / other["time_to_target_s"]
+    if base.get("seconds_per_round") and other.get("seconds_per_round"):
+        return base["seconds_per_round"] / other["seconds_per_round"]
+    return None
+
+
+def table(summaries: list[dict[str, Any]]) -> str:
+    """A markdown table; the speedup column is against the first run."""
+    head = (
+        "| strategy | link | rounds | final acc | best acc | time to target (s) | wall (s) | s/round "
+        "| rounds/h | local steps/s | MB up | MB down | speedup |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for s in summaries:
+        lines.append(
+            f"| {label(s)} | {s['link_profile']} | {s['rounds']} | {_fmt(s['final_accuracy'], '.4f')} "
+            f"| {_fmt(s['best_accuracy'], '.4f')} | {_fmt(s['time_to_target_s'])} | {_fmt(s['wall_clock_s'])} "
+            f"| {_fmt(s['seconds_per_round'], '.2f')} | {_fmt(s['rounds_per_hour'], '.0f')} "
+            f"| {_fmt(s['local_steps_per_s'], '.1f')} | {s['bytes_up'] / 1e6:.2f} | {s['bytes_down'] / 1e6:.2f} "
+            f"| {_fmt(speedup(summaries[0], s), '.2f')}x |"
+        )
+    return "\n".join(lines)
+
+
+def report(run_dirs: list[Path], out: Path) -> tuple[str, list[Path]]:
+    runs = [load_run(d) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    first = runs[0][0]
+    plots = plot_runs(runs, out, f"{first['dataset']} {first['partition']}, {first['clients']} clients")
+    text = table([s for s, _ in runs])
+    (out / "report.md").write_text(text + "\n")
+    return text, plots

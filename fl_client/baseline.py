@@ -1,0 +1,44 @@
+"""The Flower quickstart ClientApp, as the baseline for ``--strategy flower-fedavg``: every message starts a
+fresh process that imports torch, loads its partition, builds the model from the received state dict (one
+Array per tensor), trains K local steps with a fresh optimizer and replies with the whole state dict."""
+
+from __future__ import annotations
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    import torch
+
+    from edge.data import load_dataset, partition_indices
+    from edge.models import build_model
+    from edge.trainer import LocalTrainer
+
+    torch.set_num_threads(1)
+    job = msg.content["config"]
+    pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    dataset = load_dataset(str(job["dataset"]), str(job["data-dir"]) or None)
+    idx = partition_indices(dataset, str(job["partition"]), num, int(job["seed"]))[pid]
+    model = build_model(dataset, int(job["seed"]))
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    trainer = LocalTrainer(
+        model,
+        dataset.x_train[idx],
+        dataset.y_train[idx],
+        int(job["batch-size"]),
+        float(job["lr"]),
+        float(job["momentum"]),
+        seed=int(job["seed"]) * 1000 + pid + 7919 * int(job["server-round"]),
+    )
+    loss = trainer.train_steps(int(job["local-steps"]))
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"train_loss": loss, "num-examples": len(idx)}),
+        }
+    )
+    return Message(content, reply_to=msg)

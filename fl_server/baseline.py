@@ -1,0 +1,114 @@
+"""Flower's own FedAvg, for side-by-side comparison (``--strategy flower-fedavg``): the built-in
+``flwr.serverapp.strategy.FedAvg.start`` loop (``send_and_receive``, one Array per tensor) with the quickstart
+ClientApp of ``fl_client.baseline``, which trains in-process in a fresh process per message.
+
+It writes the same rounds.jsonl and summary.json as edgefl's own engine. Server-side evaluation runs inside
+Flower's loop here, so its time is subtracted from ``wall_s``: both columns measure the federation alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from edge.data import load_dataset
+from edge.models import build_model
+from edge.trainer import evaluate
+from edgefl.config import RunConfig, load_config
+from fl_client.wire import wire_bytes
+from fl_server.engine import job_for, wait_for_nodes
+from fl_server.results import SERVER_ERROR, append_round, read_rounds, summarize, write_summary
+
+log = logging.getLogger("edgefl.baseline")
+
+app = ServerApp()
+
+
+class _Meter:
+    """Counts serialized bytes through a grid by wrapping its push/pull on the instance, so that Flower's own
+    ``send_and_receive`` (which calls them) is what runs."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.up = self.down = 0
+        push, pull = grid.push_messages, grid.pull_messages
+
+        def push_messages(messages):  # type: ignore[no-untyped-def]
+            messages = list(messages)
+            self.down += sum(wire_bytes(m) for m in messages)
+            return push(messages)
+
+        def pull_messages(message_ids):  # type: ignore[no-untyped-def]
+            replies = list(pull(message_ids))
+            self.up += sum(wire_bytes(m) for m in replies)
+            return replies
+
+        grid.push_messages = push_messages  # type: ignore[method-assign]
+        grid.pull_messages = pull_messages  # type: ignore[method-assign]
+
+    def take(self) -> tuple[int, int]:
+        out = (self.up, self.down)
+        self.up = self.down = 0
+        return out
+
+
+def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
+    torch.set_num_threads(1)
+    dataset = load_dataset(config.dataset, config.data_dir or None)
+    model = build_model(dataset, config.seed)
+    meter = _Meter(grid)
+    wait_for_nodes(grid, config.clients)
+    clock = {"t0": 0.0, "eval_s": 0.0}
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        started = time.monotonic()
+        if server_round == 0:
+            clock["t0"] = started
+            return MetricRecord({})
+        wall = started - clock["t0"] - clock["eval_s"]
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy = evaluate(model, dataset.x_test, dataset.y_test)
+        up, down = meter.take()
+        append_round(
+            run_dir,
+            {
+                "round": server_round,
+                "wall_s": wall,
+                "test_loss": loss,
+                "test_accuracy": accuracy,
+                "bytes_up": up,
+                "bytes_down": down,
+                "clients": list(range(config.clients)),
+                "closed_by": "all",
+                "client_train_s": None,
+                "rejected": [],
+            },
+        )
+        log.info("round %d  accuracy %.4f  wall %.1f s", server_round, accuracy, wall)
+        clock["eval_s"] += time.monotonic() - started
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=config.clients, min_available_nodes=config.clients)
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=config.rounds,
+        train_config=ConfigRecord({k: v for k, v in job_for(config).items() if not isinstance(v, bool)}),
+        evaluate_fn=evaluate_fn,
+    )
+    write_summary(run_dir, summarize(dataclasses.asdict(config), read_rounds(run_dir)))
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_dir = Path(str(context.run_config["run-dir"]))
+    try:
+        run_baseline(grid, load_config(run_dir / "config.toml"), run_dir)
+    except BaseException as exc:
+        (run_dir / SERVER_ERROR).write_text(f"{type(exc).__name__}: {exc}\n")
+        raise

@@ -1,0 +1,179 @@
+"""A link emulated in user space, for kernels without netem: ``python -m netem.tunlink``.
+
+The process opens one TUN device in the client's namespace and one in the server's, writes ``ready`` on
+stdout (the testbed's readiness handshake), and forwards IP packets between them with the up profile's
+delay, jitter and loss one way and the down profile's the other way. The TUN devices exist only while the
+process runs; it exits when its stdin closes (so it dies with the testbed) or on SIGTERM. Rate limits are not
+done here but by the kernel (tbf on the client's TUN device, see :mod:`netem.testbed`).
+
+Jitter without reordering: each packet's release time is
+
+    t_release = max(t_arrival + delay + U(-jitter, +jitter), t_release of the previous packet)
+
+so one direction stays FIFO, like netem with a rate (plain netem reorders under jitter). Back-to-back packets
+therefore see the largest jitter draw among their predecessors; sparse traffic (pings) sees U(±jitter).
+Correlation follows netem's recurrence for both the jitter and the loss draws:
+
+    u_n = (1 - ρ) U_n + ρ u_{n-1},   ρ = correlation_pct / 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import random
+import select
+import struct
+import sys
+import time
+from collections import deque
+
+from pyroute2 import netns
+
+from netem.profiles import LinkProfile
+
+TUNSETIFF = 0x400454CA
+IFF_TUN = 0x0001
+IFF_NO_PI = 0x1000
+PR_SET_TIMERSLACK = 29
+MAX_PACKET = 65535
+READ_BATCH = 64  # packets read from one device before due packets are released again
+
+
+class CorrelatedUniform:
+    """Uniform [0, 1) draws with netem's correlation recurrence (see module docstring)."""
+
+    def __init__(self, correlation_pct: float, rng: random.Random) -> None:
+        self.rho = correlation_pct / 100
+        self.rng = rng
+        self.last = rng.random()
+
+    def draw(self) -> float:
+        self.last = (1 - self.rho) * self.rng.random() + self.rho * self.last
+        return self.last
+
+
+class DelayLine:
+    """One direction: drops packets with probability loss_pct/100, releases the rest in order, delayed."""
+
+    def __init__(self, profile: LinkProfile, out_fd: int, rng: random.Random) -> None:
+        self.delay_s = profile.delay_ms / 1000
+        self.jitter_s = profile.jitter_ms / 1000
+        self.loss = profile.loss_pct / 100
+        self.out_fd = out_fd
+        self.jitter_draw = CorrelatedUniform(profile.correlation_pct, rng)
+        self.loss_draw = CorrelatedUniform(profile.correlation_pct, rng)
+        self.queue: deque[tuple[float, bytes]] = deque()
+        self.last_release = 0.0
+
+    def push(self, packet: bytes, now: float) -> None:
+        if self.loss and self.loss_draw.draw() < self.loss:
+            return
+        jitter = (2 * self.jitter_draw.draw() - 1) * self.jitter_s if self.jitter_s else 0.0
+        self.last_release = max(now + self.delay_s + jitter, self.last_release)
+        self.queue.append((self.last_release, packet))
+
+    def next_release(self) -> float | None:
+        return self.queue[0][0] if self.queue else None
+
+    def release(self, now: float) -> None:
+        while self.queue and self.queue[0][0] <= now:
+            with contextlib.suppress(OSError):  # the stack refused it (device going down): a lost packet
+                os.write(self.out_fd, self.queue.popleft()[1])
+
+
+def open_tun(namespace: str, name: str) -> int:
+    """A non-blocking TUN device ``name`` (no packet-info header) in ``namespace``, gone with the fd."""
+    netns.setns(namespace, flags=0)
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
+    return fd
+
+
+class WakeLatency:
+    """How late this process wakes from a sleep: an EWMA of the overshoot of its timed waits.
+
+    Timed waits end that much early, and packets that woke the process are back-dated by it (but not to
+    before the wait began), so the host's wake-up latency is not added to the emulated delay.
+    """
+
+    def __init__(self, weight: float = 0.1, cap_s: float = 0.0005) -> None:
+        self.estimate_s = 0.0
+        self.weight = weight
+        self.cap_s = cap_s
+
+    def observe(self, overshoot_s: float) -> None:
+        overshoot_s = min(max(overshoot_s, 0.0), self.cap_s)
+        self.estimate_s += self.weight * (overshoot_s - self.estimate_s)
+
+
+def forward(client_fd: int, server_fd: int, up: LinkProfile, down: LinkProfile, seed: int | None) -> None:
+    """Move packets between the two TUN devices until stdin closes."""
+    rng = random.Random(seed)
+    lines = {client_fd: DelayLine(up, server_fd, rng), server_fd: DelayLine(down, client_fd, rng)}
+    stdin = sys.stdin.fileno()
+    latency = WakeLatency()
+    while True:
+        due = [t for line in lines.values() if (t := line.next_release()) is not None]
+        slept_at = time.monotonic()
+        timeout = max(0.0, min(due) - slept_at - latency.estimate_s) if due else None
+        readable, _, _ = select.select([stdin, *lines], [], [], timeout)
+        now = time.monotonic()
+        if stdin in readable and not os.read(stdin, 1024):
+            return
+        if readable:
+            arrival = max(slept_at, now - latency.estimate_s)
+            for fd in readable:
+                if fd in lines:
+                    _read_batch(fd, lines[fd], arrival)
+        elif timeout:
+            latency.observe(now - slept_at - timeout)
+        now = time.monotonic()
+        for line in lines.values():
+            line.release(now)
+
+
+def _read_batch(fd: int, line: DelayLine, now: float) -> None:
+    for _ in range(READ_BATCH):
+        try:
+            line.push(os.read(fd, MAX_PACKET), now)
+        except BlockingIOError:
+            return
+
+
+def _endpoint(text: str) -> tuple[str, str]:
+    namespace, _, device = text.partition("/")
+    if not namespace or not device:
+        raise argparse.ArgumentTypeError(f"expected NAMESPACE/DEVICE, got {text!r}")
+    return namespace, device
+
+
+def _profile(text: str) -> LinkProfile:
+    return LinkProfile(**json.loads(text))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m netem.tunlink", description=__doc__.splitlines()[0])
+    parser.add_argument("--client", type=_endpoint, required=True, help="NAMESPACE/DEVICE of the client end")
+    parser.add_argument("--server", type=_endpoint, required=True, help="NAMESPACE/DEVICE of the server end")
+    parser.add_argument("--up", type=_profile, required=True, help="LinkProfile as JSON, client → server")
+    parser.add_argument("--down", type=_profile, required=True, help="LinkProfile as JSON, server → client")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)  # wake up on time, not 50 µs late
+    # A wire does not wait for the CPU: without real-time priority a loaded host adds delay spikes of several
+    # ms. Without a real-time quota (some containers, cgroups) delays are just less precise under load.
+    with contextlib.suppress(PermissionError):
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    client_fd = open_tun(*args.client)
+    server_fd = open_tun(*args.server)
+    print("ready", flush=True)
+    forward(client_fd, server_fd, args.up, args.down, args.seed)
+
+
+if __name__ == "__main__":
+    main()

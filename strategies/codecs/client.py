@@ -1,0 +1,62 @@
+"""What a client holds: a compressor, its memory, the model layout and a seed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from strategies.codecs.base import CodecError, Compressor, Layout, Vector, dense_payload_size, layout_info
+from strategies.codecs.dense import NoCompression
+from strategies.codecs.memory import Memory
+
+
+class ClientCodec:
+    """Encodes a client's update each round: v = memory.compensate(u); payload = compressor.encode(v);
+    memory.update(v, decode(payload)). Build one with `make_client_codec`."""
+
+    def __init__(self, compressor: Compressor, memory: Memory, layout: Layout, seed: int) -> None:
+        if seed < 0:
+            raise CodecError(f"codec seed must be ≥ 0, got {seed}")
+        self.compressor = compressor
+        self.memory = memory
+        self.layout = layout
+        self.seed = seed
+        self.size = layout_info(layout).size
+
+    def encode(self, u: np.ndarray, server_round: int) -> tuple[str, bytes]:
+        """(stype, payload) for this round's flat update u; updates the memory.
+
+        server_round (1-based) drives DGC's sparsity warm-up and, with the seed, this round's randomness, so
+        encodings are reproducible and no generator state needs saving. A payload larger than the dense
+        float32 one (tiny layouts, τ below most |v_i|), which the server would reject, is replaced by it.
+        """
+        if server_round < 1:
+            raise CodecError(f"server_round must be ≥ 1, got {server_round}")
+        v = self.memory.compensate(self._checked(u))
+        rng = np.random.default_rng([self.seed, server_round])
+        state = self.memory.compressor_state(server_round, rng)
+        compressor = self.compressor
+        payload = compressor.encode(v, self.layout, state)
+        if len(payload) > dense_payload_size(self.size):
+            compressor = NoCompression()
+            payload = compressor.encode(v, self.layout, state)
+        self.memory.update(v, compressor.decode(payload, self.layout))
+        return compressor.stype, payload
+
+    def state_dict(self) -> dict[str, Vector]:
+        """Copies of the memory's arrays (residual, momentum, velocity, warm-start factors)."""
+        return self.memory.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore `state_dict` output; raises CodecError when it does not fit this codec and layout."""
+        self.memory.load_state_dict(state)
+
+    def _checked(self, u: np.ndarray) -> Vector:
+        """u as a finite float32 vector of length P."""
+        u = np.asarray(u, dtype=np.float32)
+        if u.shape != (self.size,):
+            raise CodecError(f"update has shape {u.shape}, the model layout needs ({self.size},)")
+        if not np.isfinite(u).all():
+            raise CodecError("update contains NaN or Inf")
+        return u

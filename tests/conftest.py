@@ -1,0 +1,52 @@
+"""Shared helpers: run the real ``edgefl`` command, and find processes a run left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def edgefl(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess[str]:
+    """``edgefl ARGS`` as a user types it, in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "edgefl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def processes_of(run_dir: Path) -> list[str]:
+    """Every live process that belongs to the run in ``run_dir``: Flower processes carry FLWR_HOME under it,
+    agents carry their socket path in it on their command line."""
+    marker = str(run_dir.resolve()).encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+        except OSError:
+            continue
+        if state != "Z" and int(pid) != os.getpid() and (marker in environ or marker in cmdline):
+            command = cmdline.replace(b"\0", b" ").decode(errors="replace")[:120]
+            found.append(f"{pid} {command}")
+    return found
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "run"
+    yield path
+    left = processes_of(path)
+    for line in left:
+        os.kill(int(line.split()[0]), 9)
+    assert not left, f"processes left running: {left}"

@@ -1,0 +1,49 @@
+"""Settings: defaults ← TOML ← flags, validation with one-line errors, and the resolved file round-trips."""
+
+from pathlib import Path
+
+import pytest
+
+from edgefl.config import ConfigError, build_config, load_config, save_config
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('strategy = "dga:4"\ndataset = "digits"\nclients = 3\nlocal-steps = 7\n')
+    config = build_config(file, clients=5, lr=None)
+    assert (config.strategy, config.dataset, config.clients, config.local_steps) == ("dga:4", "digits", 5, 7)
+    assert config.strategy_spec.delay == 4 and config.strategy_spec.correction
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    config = build_config(None, strategy="DGA:2:nocorrection", target_accuracy=0.7, out=str(tmp_path / "r"))
+    save_config(config, tmp_path / "config.toml")
+    again = load_config(tmp_path / "config.toml")
+    assert again == config and again.strategy == "dga:2:nocorrection" and not again.strategy_spec.correction
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("clients = 0\n", "clients must be at least 1"),
+        ('strategy = "fedprox"\n', "unknown strategy"),
+        ('strategy = "dga"\n', "dga needs a delay"),
+        ('strategy = "dga:x"\n', "integer"),
+        ("lr = -1\n", "lr must be positive"),
+        ("bogus = 1\n", "unknown setting 'bogus'"),
+        ("clients = [\n", "not valid TOML"),
+        ('clients = "four"\n', "clients must be a number"),
+        ('compress = "zip"\n', "zip"),
+    ],
+)
+def test_bad_settings_say_what_is_wrong_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        build_config(file)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config("/nonexistent/edgefl.toml")

@@ -1,0 +1,71 @@
+"""The server's round engine: who is sent what and when, the weighted mean, refusals, stragglers."""
+
+import numpy as np
+
+from strategies.codecs import make_client_codec
+from strategies.rounds import Contribution, RoundEngine
+
+LAYOUT = (("w", (4,)),)
+
+
+def _update(values: list[float], round_: int, n: int = 1) -> Contribution:
+    stype, payload = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
+    return Contribution(round_, n, stype, payload)
+
+
+def test_fedavg_lock_step_and_example_weighted_mean() -> None:
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=2, num_clients=2, delay=0)
+    first = engine.next_request(1)
+    assert first is not None and first.global_round == 0 and first.next_round == 1 and first.last_round == 1
+    assert engine.next_request(1) is None  # FedAvg cannot prefetch: round 2 needs round 1's model
+    assert engine.next_request(2) is not None
+    assert engine.receive(1, [_update([1, 1, 1, 1], 1, n=3)]) == []
+    assert engine.close_rounds(now=0) == []  # waits for client 2
+    assert engine.receive(2, [_update([5, 5, 5, 5], 1, n=1)]) == []
+    closed = engine.close_rounds(now=0)
+    assert [c.round for c in closed] == [1] and closed[0].closed_by == "all"
+    np.testing.assert_allclose(engine.global_params, [2, 2, 2, 2])  # (3·1 + 1·5) / 4
+    second = engine.next_request(1)
+    assert second is not None and second.global_round == 1 and second.next_round == 2
+
+
+def test_dga_keeps_two_messages_in_flight_and_sends_the_model_once() -> None:
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=1, delay=3)
+    a, b = engine.next_request(7), engine.next_request(7)
+    assert a is not None and a.global_round == 0 and a.last_round == 4
+    assert b is not None and b.global_params is None  # same model: not sent twice
+    assert engine.next_request(7) is None  # at most two in flight
+
+
+def test_refusals_leave_the_global_model_untouched() -> None:
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=5, num_clients=1, delay=1)
+    engine.next_request(1)
+    reasons = engine.receive(1, [_update([1, 1, 1, 1], 3)])  # needs global of round 1: not sent yet
+    assert [r.reason.split(":")[0] for r in reasons] == ["unrequested"]
+    bad = Contribution(1, 1, _update([0, 0, 0, 0], 1).stype, b"\x00garbage")
+    assert engine.receive(1, [bad])[0].reason.startswith("malformed")
+    assert engine.receive(1, [_update([1, 1, 1, 1], 1), _update([9, 9, 9, 9], 1)])[0].reason.startswith("repeated")
+    engine.close_rounds(now=0)
+    np.testing.assert_allclose(engine.global_params, [1, 1, 1, 1])
+    assert engine.receive(1, [_update([1, 1, 1, 1], 1)])[0].reason.startswith("repeated")
+    engine.receive(1, [_update([1, 1, 1, 1], 2)])
+    engine.close_rounds(now=0)
+    np.testing.assert_allclose(engine.global_params, [2, 2, 2, 2])
+
+
+def test_a_silent_client_holds_a_round_only_until_its_deadline() -> None:
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=3, delay=0, quorum=0.5, deadline_s=10.0)
+    engine.start_clock(100.0)
+    for client in (1, 2, 3):
+        engine.next_request(client)
+    engine.receive(1, [_update([1, 1, 1, 1], 1)])
+    assert engine.close_rounds(now=109.0) == []  # deadline not reached, and 1 < ceil(0.5·3)
+    engine.receive(2, [_update([3, 3, 3, 3], 1)])
+    assert engine.close_rounds(now=109.9) == []
+    closed = engine.close_rounds(now=110.0)
+    assert closed[0].closed_by == "deadline" and sorted(closed[0].clients) == [1, 2]
+    np.testing.assert_allclose(engine.global_params, [2, 2, 2, 2])
+    # The straggler's late update is refused, and it is moved on to the current round.
+    assert engine.receive(3, [_update([100, 100, 100, 100], 1)])[0].reason.startswith("late")
+    request = engine.next_request(3)
+    assert request is not None and request.next_round == 2 and request.global_round == 1
