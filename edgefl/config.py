@@ -105,9 +105,9 @@ def _coerce(key: str, value: Any) -> Any:
     return str(value)
 
 
-def build_config(file: str | Path | None = None, **overrides: Any) -> RunConfig:
-    """Defaults ← TOML file ← overrides (None means 'not given'). Keys may use - or _."""
-    values: dict[str, Any] = {}
+def build_config(file: str | Path | None = None, defaults: dict[str, Any] | None = None, **overrides: Any) -> RunConfig:
+    """RunConfig's defaults ← ``defaults`` (a command's own) ← TOML file ← overrides (None: 'not given')."""
+    values: dict[str, Any] = dict(defaults or {})
     if file is not None:
         values.update(load_toml(file))
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -203,8 +203,8 @@ class ServerLoop:
     def _close_rounds(self) -> None:
         now = time.monotonic()
         for closed in self.engine.close_rounds(now):
-            save_checkpoint(self.run_dir, closed.round, self.engine.global_params)
-            self.evaluator.submit(self.engine.global_params.copy(), self._row(closed, now))
+            save_checkpoint(self.run_dir, closed.round, closed.global_params)
+            self.evaluator.submit(closed.global_params, self._row(closed, now))
 
     def _row(self, closed: ClosedRound, now: float) -> dict[str, Any]:
         return {

@@ -95,7 +95,8 @@ def format_table(links: list[Link], measurements: list[LinkMeasurement]) -> str:
 
 @_reporting_link_errors
 def verify_command(args: argparse.Namespace) -> int:
-    links = _links(args.profile, args.clients or len(args.profile.split(",")), args.profiles)
+    clients = len(args.profile.split(",")) if args.clients is None else args.clients
+    links = _links(args.profile, clients, args.profiles)
     with Testbed(links, tag=f"v{os.getpid()}") as testbed:
         print(f"testbed backend: {testbed.backend}; measuring {len(links)} link(s)...", flush=True)
         measurements = [measure(testbed, i) for i in range(len(links))]

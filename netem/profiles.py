@@ -52,7 +52,9 @@ class LinkProfile:
 
     def __post_init__(self) -> None:
         _check_range("delay_ms", self.delay_ms, 0.0, MAX_DELAY_MS)
-        _check_range("jitter_ms", self.jitter_ms, 0.0, self.delay_ms)
+        _check_range("jitter_ms", self.jitter_ms, 0.0, MAX_DELAY_MS)
+        if self.jitter_ms > self.delay_ms:
+            raise LinkError(f"jitter_ms ({self.jitter_ms:g}) must not exceed delay_ms ({self.delay_ms:g})")
         _check_range("loss_pct", self.loss_pct, 0.0, 100.0)
         _check_range("correlation_pct", self.correlation_pct, 0.0, 100.0)
         if self.rate_mbit is not None:

@@ -8,7 +8,9 @@ Layout on a shaped interface ``dev`` (every root qdisc edgefl installs has handl
     ifb egress  : netem ef1: [-> tbf ef2:]                                           the link's down profile
 
 A direction with only a rate gets a lone tbf root (it works on kernels without netem); an unshaped direction
-gets nothing. netem's own ``rate`` is not used: pyroute2 0.9.7 sends it as a top-level TCA_RATE.
+gets nothing. netem's own ``rate`` is not used: pyroute2 0.9.7 sends it as a top-level TCA_RATE. Note that
+netem sorts its queue by send time, so with jitter larger than the packet spacing it reorders packets (only
+its own ``rate`` would keep them in order); the testbed's user-space forwarder (:mod:`netem.tunlink`) does not.
 """
 
 from __future__ import annotations

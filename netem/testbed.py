@@ -13,6 +13,10 @@ Backends, chosen per testbed:
   netem.tunlink`` process doing delay, jitter and loss; the rate is a kernel tbf on the client's TUN device
   (up on its egress, down on its ingress through an ifb), again with :func:`netem.tc.apply`.
 - ``none``: every link is an unshaped veth pair (all links ``lan``).
+
+Measured with ``tbf+tun`` on a 2-core CI VM (UDP echo p50, TCP goodput): long-distance 300.0-300.3 ms for
+300; home-wifi 2.03-2.08 ms for 2, goodput 14.2-14.4 of 15 and 28.9-29.4 of 30 Mbit/s (TCP/IP headers are
+~3.5%); an unshaped link adds ~0.2 ms round trip to a veth pair's 0.06 ms and tops out at ~550 Mbit/s.
 """
 
 from __future__ import annotations
@@ -209,7 +213,8 @@ class Testbed:
             for stream in (process.stdin, process.stdout, process.stderr):
                 stream.close()
         self.forwarders.clear()
-        ours = [ns for ns in (self.server_ns, *self.client_ns) if ns in netns.listnetns()]
+        existing = set(netns.listnetns())
+        ours = [ns for ns in (self.server_ns, *self.client_ns) if ns in existing]
         pids = netns.ns_pids()
         _kill_and_wait([pid for ns in ours for pid in pids.get(ns, [])])
         for ns in ours:

@@ -111,9 +111,9 @@ class WakeLatency:
         self.estimate_s += self.weight * (overshoot_s - self.estimate_s)
 
 
-def forward(client_fd: int, server_fd: int, up: LinkProfile, down: LinkProfile, seed: int | None) -> None:
+def forward(client_fd: int, server_fd: int, up: LinkProfile, down: LinkProfile) -> None:
     """Move packets between the two TUN devices until stdin closes."""
-    rng = random.Random(seed)
+    rng = random.Random()
     lines = {client_fd: DelayLine(up, server_fd, rng), server_fd: DelayLine(down, client_fd, rng)}
     stdin = sys.stdin.fileno()
     latency = WakeLatency()
@@ -162,7 +162,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server", type=_endpoint, required=True, help="NAMESPACE/DEVICE of the server end")
     parser.add_argument("--up", type=_profile, required=True, help="LinkProfile as JSON, client → server")
     parser.add_argument("--down", type=_profile, required=True, help="LinkProfile as JSON, server → client")
-    parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)  # wake up on time, not 50 µs late
     # A wire does not wait for the CPU: without real-time priority a loaded host adds delay spikes of several
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     client_fd = open_tun(*args.client)
     server_fd = open_tun(*args.server)
     print("ready", flush=True)
-    forward(client_fd, server_fd, args.up, args.down, args.seed)
+    forward(client_fd, server_fd, args.up, args.down)
 
 
 if __name__ == "__main__":

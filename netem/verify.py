@@ -48,11 +48,9 @@ def _timestamped_udp(namespace: str) -> socket.socket:
 def _receive(udp: socket.socket) -> tuple[bytes, tuple[str, int], int]:
     """A datagram, its sender and the kernel's receive time (ns, CLOCK_REALTIME)."""
     payload, ancillary, _, address = udp.recvmsg(PROBE_SIZE, socket.CMSG_SPACE(TIMESPEC.size))
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
-            seconds, nanoseconds = TIMESPEC.unpack(data)
-            return payload, address, seconds * 1_000_000_000 + nanoseconds
-    return payload, address, time.time_ns()
+    [(_, _, stamp)] = ancillary  # the only ancillary data asked for: SO_TIMESTAMPNS
+    seconds, nanoseconds = TIMESPEC.unpack(stamp)
+    return payload, address, seconds * 1_000_000_000 + nanoseconds
 
 
 def probe_rtts(

@@ -59,6 +59,7 @@ class Rejection:
 @dataclass
 class ClosedRound:
     round: int
+    global_params: np.ndarray  # the global model after this round
     clients: list[int]
     train_s: list[float]
     losses: list[float]
@@ -183,7 +184,9 @@ class RoundEngine:
             self.global_params = apply_update(self.global_params, open_round.mean.mean())
             self.aggregated = round_
             self._oldest_open_since = now
-            closed.append(ClosedRound(round_, open_round.clients, open_round.train_s, open_round.losses, how))
+            closed.append(
+                ClosedRound(round_, self.global_params, open_round.clients, open_round.train_s, open_round.losses, how)
+            )
         return closed
 
     def _deadline_passed(self, now: float) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def processes_of(run_dir: Path) -> list[str]:
         except OSError:
             continue
         if state != "Z" and int(pid) != os.getpid() and (marker in environ or marker in cmdline):
-            command = cmdline.replace(b"\0", b" ").decode(errors="replace")[:120]
+            command = cmdline.replace(b"\0", b" ").decode(errors="replace")
             found.append(f"{pid} {command}")
     return found
 
@@ -50,3 +51,17 @@ def run_dir(tmp_path: Path) -> Path:
     for line in left:
         os.kill(int(line.split()[0]), 9)
     assert not left, f"processes left running: {left}"
+
+
+def start_edgefl(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for_first_round(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float = 180) -> None:
+    """Until rounds.jsonl has a row: the federation is up and every client has contributed once."""
+    rounds = run_dir / "rounds.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (rounds.exists() and rounds.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)

@@ -84,9 +84,7 @@ def random_update(seed: int, layout=SMALL) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(size_of(layout)).astype(np.float32)
 
 
-def encode_once(
-    spec: str, layout=SMALL, server_round: int = 10, seed: int = 0
-) -> tuple[str, bytes, np.ndarray]:
+def encode_once(spec: str, layout=SMALL, server_round: int = 10, seed: int = 0) -> tuple[str, bytes, np.ndarray]:
     """(stype, payload, u) of a fresh client's first encoding."""
     u = random_update(seed, layout)
     stype, payload = make_client_codec(spec, layout, seed).encode(u, server_round)

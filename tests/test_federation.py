@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fl_server.results import load_checkpoint
-from tests.conftest import REPO, edgefl, processes_of
+from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_first_round
 
 pytestmark = pytest.mark.federation
 
@@ -57,18 +54,8 @@ def test_dga_with_zero_delay_gives_fedavgs_global_model_bit_for_bit(tmp_path: Pa
 
 
 def test_ctrl_c_stops_every_process(run_dir: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgefl.cli", "run", *FAST, "--rounds", "50", "--out", str(run_dir)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    rounds = run_dir / "rounds.jsonl"
-    deadline = time.monotonic() + 180
-    while not (rounds.exists() and rounds.read_text().strip()):  # the federation is up and training
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    proc = start_edgefl("run", *FAST, "--rounds", "50", "--out", str(run_dir))
+    wait_for_first_round(proc, run_dir)
     assert processes_of(run_dir)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -102,9 +102,7 @@ def test_load_links_reads_the_documented_format(tmp_path) -> None:
         ("[x]\nsource = 3\nup = {delay_ms = 1}\ndown = {delay_ms = 1}\n", "source must be a string"),
     ],
 )
-def test_load_links_rejects_bad_files_with_one_line_naming_the_place(
-    tmp_path, text: str, complaint: str
-) -> None:
+def test_load_links_rejects_bad_files_with_one_line_naming_the_place(tmp_path, text: str, complaint: str) -> None:
     path = tmp_path / "links.toml"
     path.write_text(text)
     with pytest.raises(LinkError, match=complaint) as raised:
@@ -218,9 +216,7 @@ def test_per_client_shaping_is_htb_classes_with_netem_leaves_and_u32_by_address(
         filters = [kwargs for command, kind, kwargs in rest if command == "add-filter"]
         assert len(classes) == len(leaves) == len(filters) == len(CLIENTS)
         assert len({c["handle"] for c in classes}) == len(CLIENTS)
-        for (address, link), klass, leaf, match in zip(
-            CLIENTS.items(), classes, leaves, filters, strict=True
-        ):
+        for (address, link), klass, leaf, match in zip(CLIENTS.items(), classes, leaves, filters, strict=True):
             profile = getattr(link, direction)
             assert klass["parent"] == tc.ROOT_HANDLE
             assert klass["rate"] == klass["ceil"] == f"{profile.rate_mbit * 1000:.0f}kbit"

@@ -246,6 +246,32 @@ def test_cleanup_stale_removes_what_a_crashed_run_left() -> None:
     assert all(_wait_gone(pid) for pid in [leftover, *forwarders])
 
 
+UNDER_A_SIGTERM_HANDLER = """
+import signal, sys
+from netem import tc
+from netem.profiles import BUILTIN_LINKS
+from netem.testbed import CLIENT_DEVICE, Testbed
+
+def interrupt(*_):
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGTERM, interrupt)  # as edgefl's CLI does
+with Testbed([BUILTIN_LINKS["home-wifi"]], sys.argv[1]) as testbed:
+    for _ in range(20):
+        tc.show(CLIENT_DEVICE, testbed.client_ns[0])  # pyroute2 makes each socket in a forked child
+    print("intact", flush=True)
+"""
+
+
+@needs_root
+def test_a_sigterm_handler_does_not_leak_into_pyroute2s_children() -> None:
+    """pyroute2 stops its namespace helpers with SIGTERM; they must die, not unwind our stack and clean up."""
+    result = subprocess.run(
+        [sys.executable, "-c", UNDER_A_SIGTERM_HANDLER, f"{TAG}sig"], capture_output=True, text=True, timeout=120
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "intact\n", "")
+
+
 NON_ROOT_TESTBED = """
 import os
 from netem.profiles import BUILTIN_LINKS, LinkError

@@ -69,3 +69,12 @@ def test_a_silent_client_holds_a_round_only_until_its_deadline() -> None:
     assert engine.receive(3, [_update([100, 100, 100, 100], 1)])[0].reason.startswith("late")
     request = engine.next_request(3)
     assert request is not None and request.next_round == 2 and request.global_round == 1
+
+
+def test_rounds_closed_together_keep_their_own_global_model() -> None:
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=1, delay=2)
+    engine.next_request(1)
+    engine.receive(1, [_update([1, 1, 1, 1], 1), _update([2, 2, 2, 2], 2)])
+    first, second = engine.close_rounds(now=0)
+    np.testing.assert_allclose(first.global_params, [1, 1, 1, 1])
+    np.testing.assert_allclose(second.global_params, [3, 3, 3, 3])

@@ -114,9 +114,7 @@ def dense_payload_size(size: int) -> int:
 def read_header(payload: bytes, header: struct.Struct, layout: Layout, stype: str) -> tuple:
     """Check what every payload shares (header, version, P, dense bound); return the codec's own fields."""
     if len(payload) < header.size:
-        raise MalformedUpdate(
-            f"{stype}: truncated payload of {len(payload)} bytes, its header needs {header.size}"
-        )
+        raise MalformedUpdate(f"{stype}: truncated payload of {len(payload)} bytes, its header needs {header.size}")
     version, size, *fields = header.unpack_from(payload)
     if version != FORMAT_VERSION:
         raise MalformedUpdate(f"{stype}: unsupported format version {version}, expected {FORMAT_VERSION}")
@@ -125,9 +123,7 @@ def read_header(payload: bytes, header: struct.Struct, layout: Layout, stype: st
         raise MalformedUpdate(f"{stype}: header says P={size} but the model layout has P={expected_size}")
     limit = dense_payload_size(size)
     if len(payload) > limit:
-        raise MalformedUpdate(
-            f"{stype}: payload of {len(payload)} bytes is larger than dense float32 ({limit} bytes)"
-        )
+        raise MalformedUpdate(f"{stype}: payload of {len(payload)} bytes is larger than dense float32 ({limit} bytes)")
     return tuple(fields)
 
 
@@ -135,9 +131,7 @@ def check_size(payload: bytes, expected: int, stype: str) -> None:
     """The payload must have exactly the size its header implies."""
     if len(payload) != expected:
         problem = "truncated" if len(payload) < expected else "oversized"
-        raise MalformedUpdate(
-            f"{stype}: {problem} payload of {len(payload)} bytes, its header implies {expected}"
-        )
+        raise MalformedUpdate(f"{stype}: {problem} payload of {len(payload)} bytes, its header implies {expected}")
 
 
 def check_finite(values: np.ndarray, what: str, stype: str) -> None:
@@ -152,9 +146,7 @@ def check_scale(scale: float, what: str, stype: str) -> None:
         raise MalformedUpdate(f"{stype}: {what} must be positive and finite, got {scale}")
 
 
-def checked_state(
-    state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, Vector]:
+def checked_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Vector]:
     """Float32 copies of saved memory arrays, which must have exactly the expected names and shapes."""
     if set(state) != set(shapes):
         raise CodecError(f"codec state has arrays {sorted(state)}, expected {sorted(shapes)}")

@@ -127,9 +127,7 @@ def dgc_plan(layout: Layout) -> DGCPlan:
     return DGCPlan(sparse, positions, is_dense)
 
 
-def sampled_top_k(
-    magnitude: npt.NDArray[np.float32], k: int, rng: np.random.Generator
-) -> npt.NDArray[np.int64]:
+def sampled_top_k(magnitude: npt.NDArray[np.float32], k: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
     """Sorted positions of the (about) k largest magnitudes, selected as DGC does.
 
     The threshold is the matching quantile of a ~1% random sample; while more than 1.3k entries pass it, it
@@ -151,9 +149,7 @@ def sampled_top_k(
     else:
         selected = np.arange(size)
     if selected.size > k:
-        selected = np.sort(
-            selected[np.argpartition(magnitude[selected], selected.size - k)[selected.size - k :]]
-        )
+        selected = np.sort(selected[np.argpartition(magnitude[selected], selected.size - k)[selected.size - k :]])
     return selected
 
 
@@ -171,8 +167,7 @@ class DGCCompressor(Compressor):
     def encode(self, v: Vector, layout: Layout, state: CompressorState) -> bytes:
         plan = dgc_plan(layout)
         picks = [
-            start
-            + sampled_top_k(np.abs(v[start:stop]), max(1, round(state.density * (stop - start))), state.rng)
+            start + sampled_top_k(np.abs(v[start:stop]), max(1, round(state.density * (stop - start))), state.rng)
             for start, stop in plan.sparse_ranges
         ]
         indices = np.concatenate(picks) if picks else np.zeros(0, dtype=np.int64)
@@ -201,9 +196,7 @@ class DGCCompressor(Compressor):
         indices, values = unpack_sparse(payload, SPARSE_HEADER.size, count, scale, info.size, self.stype)
         owners = np.searchsorted(info.starts, indices, side="right") - 1
         if plan.tensor_is_dense[owners].any():
-            raise MalformedUpdate(
-                f"{self.stype}: a sparse index lies in a dim ≤ 1 tensor, which is sent dense"
-            )
+            raise MalformedUpdate(f"{self.stype}: a sparse index lies in a dim ≤ 1 tensor, which is sent dense")
         dense = np.frombuffer(payload, dtype="<f4", offset=SPARSE_HEADER.size + sparse_bytes)
         check_finite(dense, "dense values", self.stype)
         return indices, values, dense

@@ -62,9 +62,7 @@ def powersgd_plan(layout: Layout, rank: int) -> tuple[Block, ...]:
 
 def powersgd_payload_size(layout: Layout, rank: int) -> int:
     """Header + float32 factors P̂ (m×r) and Q (n×r) of compressed blocks + float32 entries of the others."""
-    floats = sum(
-        (b.rows + b.cols) * rank if b.compressed else b.rows * b.cols for b in powersgd_plan(layout, rank)
-    )
+    floats = sum((b.rows + b.cols) * rank if b.compressed else b.rows * b.cols for b in powersgd_plan(layout, rank))
     return POWERSGD_HEADER.size + 4 * floats
 
 

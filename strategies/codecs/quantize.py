@@ -158,9 +158,7 @@ class TernGrad(Compressor):
         packed = np.frombuffer(payload, dtype=np.uint8, offset=DENSE_HEADER.size + 4 * tensors)
         codes = unpack_2bit(packed, info.size)
         if (codes == 3).any():
-            raise MalformedUpdate(
-                f"{self.stype}: invalid ternary code 3 at index {int(np.argmax(codes == 3))}"
-            )
+            raise MalformedUpdate(f"{self.stype}: invalid ternary code 3 at index {int(np.argmax(codes == 3))}")
         return np.repeat(scales, info.sizes) * TERNARY_VALUES[codes]
 
 

@@ -76,9 +76,7 @@ def _dgc_spec(sparsity: float, options: list[str], spec: str) -> CodecSpec:
     stages = [option for option in options if option in DGC_STAGES]
     clips = [option.removeprefix("clip=") for option in options if option.startswith("clip=")]
     if len(stages) + len(clips) != len(options) or len(stages) > 1 or len(clips) > 1:
-        raise CodecError(
-            f"dgc options are one stage of {', '.join(DGC_STAGES)} and one 'clip=NORM', got {spec!r}"
-        )
+        raise CodecError(f"dgc options are one stage of {', '.join(DGC_STAGES)} and one 'clip=NORM', got {spec!r}")
     clip_norm = _number(clips[0]) if clips else None
     if clips and (clip_norm is None or not 0 < clip_norm < math.inf):
         raise CodecError(f"dgc clip norm must be a positive number, got {spec!r}")
@@ -148,6 +146,4 @@ def server_compressor(stype: str) -> Compressor:
     try:
         return SERVER_COMPRESSORS[stype]
     except KeyError:
-        raise MalformedUpdate(
-            f"unknown update type {stype!r}; known: {', '.join(SERVER_COMPRESSORS)}"
-        ) from None
+        raise MalformedUpdate(f"unknown update type {stype!r}; known: {', '.join(SERVER_COMPRESSORS)}") from None

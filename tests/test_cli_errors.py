@@ -1,0 +1,52 @@
+"""Bad input to ``edgefl run``: one clear line on stderr, exit code 2, no traceback, nothing left running."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import edgefl, processes_of
+
+BASE = ["run", "--dataset", "digits", "--partition", "iid", "--clients", "2", "--rounds", "1"]
+
+
+def _fails_cleanly(args: list[str], needle: str, run_dir: Path) -> None:
+    done = edgefl(*args, "--out", str(run_dir), timeout=180)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgefl: error: "), done.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in done.stderr
+    assert not processes_of(run_dir)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (["--dataset", "cifar-10"], "unknown data set"),
+        (["--partition", "zipf:2"], "zipf"),
+        (["--strategy", "fedprox"], "unknown strategy"),
+        (["--clients", "5000"], "5000"),
+        (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "dataset-fashion-mnist"),
+        (["--compress", "gzip"], "gzip"),
+        (["--profile", "dial-up"], "dial-up"),
+    ],
+)
+def test_bad_settings(change: list[str], needle: str, run_dir: Path) -> None:
+    _fails_cleanly([*BASE, *change], needle, run_dir)
+
+
+def test_malformed_config_file(tmp_path: Path, run_dir: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3\n")
+    _fails_cleanly([*BASE, "--config", str(bad)], "not valid TOML", run_dir)
+
+
+def test_port_in_use(run_dir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _fails_cleanly([*BASE, "--port", str(port)], f"port {port} is in use", run_dir)
