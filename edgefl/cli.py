@@ -9,6 +9,7 @@ A user error prints one line (``edgefl: error: ...``) and exits 2; Ctrl-C stops 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return ConfigError, DataError, LaunchError, LinkError, ReportError, StrategyError
 
 
-def add_run_options(p: argparse.ArgumentParser) -> None:
+def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) -> None:
     """The settings of a run, as flags that override ``--config``; None means 'not given'."""
     p.add_argument("--config", type=Path, help="TOML file with the same settings (flags override it)")
     p.add_argument("--strategy", help="fedavg | dga:D | dga:D:nocorrection | flower-fedavg")
@@ -48,11 +49,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--target-accuracy", type=float)
-    p.add_argument(
-        "--profile",
-        help="link profile(s): loopback (no namespaces), or e.g. long-distance, "
-        "home-wifi,home-wifi,long-distance (one per client)",
-    )
+    link_help = "link profile: loopback (no namespaces), or e.g. long-distance, or one per client: home-wifi,satellite"
+    if several_profiles:
+        p.add_argument("--profile", action="append", help=link_help + "; repeat to compare over several")
+    else:
+        p.add_argument("--profile", help=link_help)
+    p.add_argument("--profiles", dest="profiles_file", help="TOML file with your own link profiles")
     p.add_argument("--compress", help="update codec: none, topk:R, dgc:S, powersgd:R, onebit, terngrad, ...")
     p.add_argument("--quorum", type=float, help="fraction of clients that closes a round after its deadline")
     p.add_argument("--round-deadline-s", type=float, help="seconds a round waits for stragglers")
@@ -82,25 +84,27 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "seed",
         "target_accuracy",
         "profile",
+        "profiles_file",
         "compress",
         "quorum",
         "round_deadline_s",
         "port",
     )
     overrides = {k: getattr(args, k) for k in keys}
+    if isinstance(args.profile, list):  # compare: the runs' profiles are passed to compare() separately
+        overrides["profile"] = args.profile[0]
     return build_config(args.config, defaults, **overrides, strategy=strategy, out=args.out)
 
 
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     """Fail before anything starts: the data set is installed, the partition fits it, the links exist."""
     from edge.data import load_dataset, partition_indices
-    from netem.profiles import resolve_links
+    from edgefl.launcher import links_for
 
     dataset = load_dataset(config.dataset, config.data_dir or None)
     partition_indices(dataset, config.partition, config.clients, config.seed)
     for profile in profiles or [config.profile]:
-        if profile != "loopback":
-            resolve_links(profile, config.clients)
+        links_for(dataclasses.replace(config, profile=profile))
     if config.strategy == "flower-fedavg" and config.compress != "none":
         raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress")
 
@@ -124,7 +128,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     base = config_from_args(args, DEFAULTS)
     strategies = [parse_strategy(s).label for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",")]
-    profiles = args.profiles or list(DEFAULT_PROFILES)
+    profiles = args.profile or list(DEFAULT_PROFILES)
     preflight(base, profiles)
     text, plots = compare(base, strategies, profiles)
     print(text)
@@ -151,13 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help="several strategies on identical data, seeds and links; one report")
-    add_run_options(p)
+    add_run_options(p, several_profiles=True)
     p.add_argument("--strategies", help="comma-separated, e.g. fedavg,dga:4 (default fedavg,dga:4)")
-    p.add_argument(
-        "--profiles",
-        action="append",
-        help="link profile to compare over; repeat for several (default: home-wifi and long-distance)",
-    )
     p.add_argument("--out", help="report folder (default runs/compare)")
     p.set_defaults(func=cmd_compare)
 

@@ -6,12 +6,12 @@ reads (the ServerApp loads it by path), and it can be fed back with ``--config``
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import tomli_w
-import tomllib
 
 from strategies.codecs import parse_codec
 from strategies.spec import StrategyError, StrategySpec, parse_strategy
@@ -37,6 +37,7 @@ class RunConfig:
     out: str = "runs/default"
     data_dir: str = ""
     profile: str = "loopback"
+    profiles_file: str = ""
     link_backend: str = "loopback"
     compress: str = "none"
     quorum: float = 0.5

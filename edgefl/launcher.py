@@ -23,6 +23,8 @@ from edge.protocol import call_agent
 from edgefl.config import ConfigError, RunConfig, save_config
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail
 from fl_server.results import ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
+from netem.profiles import Link, load_links, resolve_links
+from netem.testbed import Testbed
 
 FEDERATION = "edgefl"
 STARTUP_TIMEOUT_S = 90.0
@@ -67,15 +69,20 @@ class Placement:
     backend: str
 
 
+def links_for(config: RunConfig) -> list[Link] | None:
+    """The clients' links, or None for plain loopback; raises LinkError for unknown or invalid profiles."""
+    if config.profile == "loopback":
+        return None
+    extra = load_links(config.profiles_file) if config.profiles_file else None
+    return resolve_links(config.profile, config.clients, extra)
+
+
 @contextlib.contextmanager
 def placement_for(config: RunConfig) -> Iterator[Placement]:
-    if config.profile == "loopback":
+    links = links_for(config)
+    if links is None:
         yield Placement("127.0.0.1", (), ((),) * config.clients, "loopback")
         return
-    from netem.profiles import resolve_links
-    from netem.testbed import Testbed
-
-    links = resolve_links(config.profile, config.clients)
     with Testbed(links, tag=f"{os.getpid() % 100000}") as bed:
         prefixes = tuple(tuple(bed.netns_argv(ns, [])) for ns in bed.client_ns)
         yield Placement(bed.server_ip, tuple(bed.netns_argv(bed.server_ns, [])), prefixes, bed.backend)

@@ -22,14 +22,9 @@ from __future__ import annotations
 
 import math
 import re
-import sys
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 MAX_DELAY_MS = 10_000.0
 MAX_RATE_MBIT = 100_000.0  # 100 Gbit/s

@@ -4,6 +4,7 @@ data set or a run folder and rejects bad input with one line and exit code 2."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,16 @@ def _text_dataset() -> Dataset:
         len(CHAR_VOCAB),
         None,
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread, as on the device (the agent runs with OMP_NUM_THREADS=1): small models gain nothing
+    from more, and OpenMP threads that wait for each other on a busy machine make a step many times slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
