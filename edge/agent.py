@@ -30,7 +30,7 @@ from edge.health import health_snapshot
 from edge.models import build_model, get_flat_params, param_layout, set_flat_params
 from edge.protocol import ProtocolError, recv_frame, send_frame
 from edge.trainer import LocalTrainer
-from strategies.codecs import make_client_codec, server_compressor
+from strategies.codecs import make_client_codec, parse_codec, server_compressor
 from strategies.dga import DelayedAveragingClient
 
 log = logging.getLogger("edgefl.agent")
@@ -58,16 +58,12 @@ class Session:
         self.num_examples = len(idx)
         self.model = build_model(dataset, job["seed"])
         self.layout = param_layout(self.model)
+        seed = job["seed"] * 1000 + partition_id
+        momentum = 0.0 if parse_codec(job["codec"]).holds_momentum else job["momentum"]
         self.trainer = LocalTrainer(
-            self.model,
-            dataset.x_train[idx],
-            dataset.y_train[idx],
-            job["batch-size"],
-            job["lr"],
-            job["momentum"],
-            seed=job["seed"] * 1000 + partition_id,
+            self.model, dataset.x_train[idx], dataset.y_train[idx], job["batch-size"], job["lr"], momentum, seed
         )
-        self.codec = make_client_codec(job["codec"], self.layout, seed=job["seed"] * 1000 + partition_id)
+        self.codec = make_client_codec(job["codec"], self.layout, seed=seed, num_clients=num_partitions)
         self.dga = DelayedAveragingClient(job["delay"], job["correction"])
         self.last_round = job["rounds"]
         self.next_round = 1

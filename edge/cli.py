@@ -27,8 +27,8 @@ def bench_command(args: argparse.Namespace) -> int:
     with CpuCap(profile, "bench") as cap:
         cap.add(os.getpid())
         report = run_bench(target, args.seconds, args.threads)
-    cap = "no CPU cap" if profile.cpu_fraction is None else f"{profile.cpu_fraction:.3f} of one core of this machine"
-    print(f"device profile {profile.name}: {cap} ({profile.source})")
+    limit = "no CPU cap" if profile.cpu_fraction is None else f"{profile.cpu_fraction:.3f} of one core of this machine"
+    print(f"device profile {profile.name}: {limit} ({profile.source})")
     print(format_report(report))
     return 0 if report.fp32_agrees and report.int8_agrees else EXIT_DISAGREE
 

@@ -46,6 +46,8 @@ class DeviceError(RuntimeError):
 
 @dataclass(frozen=True)
 class DeviceProfile:
+    """A device to emulate: its CPU as a share of one core of this machine, and where that share comes from."""
+
     name: str
     cpu_fraction: float | None  # of ONE core of this machine; None = no cap
     source: str

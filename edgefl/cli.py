@@ -25,11 +25,12 @@ EXIT_INTERRUPTED = 130
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from edge.data import DataError
+    from edge.devices import DeviceError
     from edgefl.report import ReportError
     from netem.profiles import LinkError
     from strategies.spec import StrategyError
 
-    return ConfigError, DataError, LaunchError, LinkError, ReportError, StrategyError
+    return ConfigError, DataError, DeviceError, LaunchError, LinkError, ReportError, StrategyError
 
 
 def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) -> None:
@@ -55,6 +56,8 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     else:
         p.add_argument("--profile", help=link_help)
     p.add_argument("--profiles", dest="profiles_file", help="TOML file with your own link profiles")
+    p.add_argument("--device-profile", help="emulated device CPU per client (local runs): laptop, rpi3, rpi4, "
+                   "rpi5, or one per client: rpi4,rpi4,laptop")  # fmt: skip
     p.add_argument("--compress", help="update codec: none, topk:R, dgc:S, powersgd:R, onebit, terngrad, ...")
     p.add_argument("--quorum", type=float, help="fraction of clients that closes a round after its deadline")
     p.add_argument("--round-deadline-s", type=float, help="seconds a round waits for stragglers")
@@ -85,6 +88,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "target_accuracy",
         "profile",
         "profiles_file",
+        "device_profile",
         "compress",
         "quorum",
         "round_deadline_s",
@@ -99,12 +103,13 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     """Fail before anything starts: the data set is installed, the partition fits it, the links exist."""
     from edge.data import load_dataset, partition_indices
-    from edgefl.launcher import links_for
+    from edgefl.launcher import devices_for, links_for
 
     dataset = load_dataset(config.dataset, config.data_dir or None)
     partition_indices(dataset, config.partition, config.clients, config.seed)
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
+    devices_for(config)
     if config.strategy == "flower-fedavg" and config.compress != "none":
         raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress")
 
@@ -165,9 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/report"))
     p.set_defaults(func=cmd_report)
 
+    from edge.cli import register as register_edge
     from netem.cli import register as register_netem
 
     register_netem(sub)
+    register_edge(sub)
     return parser
 
 

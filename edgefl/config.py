@@ -38,6 +38,7 @@ class RunConfig:
     data_dir: str = ""
     profile: str = "loopback"
     profiles_file: str = ""
+    device_profile: str = "laptop"
     link_backend: str = "loopback"
     compress: str = "none"
     quorum: float = 0.5

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.devices import CpuCap, DeviceProfile, device_profile
 from edge.protocol import call_agent
 from edgefl.config import ConfigError, RunConfig, save_config
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail
@@ -77,6 +78,15 @@ def links_for(config: RunConfig) -> list[Link] | None:
     return resolve_links(config.profile, config.clients, extra)
 
 
+def devices_for(config: RunConfig) -> list[DeviceProfile]:
+    """One emulated device per client from ``rpi4`` (all) or ``rpi4,rpi4,laptop`` (one per client)."""
+    names = [name.strip() for name in config.device_profile.split(",")]
+    if len(names) not in (1, config.clients):
+        raise ConfigError(f"{len(names)} device profiles for {config.clients} clients; give one or one per client")
+    profiles = [device_profile(name) for name in names]
+    return profiles * config.clients if len(profiles) == 1 else profiles
+
+
 @contextlib.contextmanager
 def placement_for(config: RunConfig) -> Iterator[Placement]:
     links = links_for(config)
@@ -116,11 +126,14 @@ def _bin(name: str) -> str:
 class LocalFederation:
     """SuperLink, agents and SuperNodes for one run, inside ``procs``."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, place: Placement, procs: ProcessGroup) -> None:
+    def __init__(
+        self, config: RunConfig, run_dir: Path, place: Placement, procs: ProcessGroup, caps: contextlib.ExitStack
+    ) -> None:
         self.config = config
         self.run_dir = run_dir
         self.place = place
         self.procs = procs
+        self.caps = caps
         self.app = "flower" if config.strategy == "flower-fedavg" else "edgefl"
 
     def superlink_port(self) -> int:
@@ -157,9 +170,16 @@ class LocalFederation:
         return address
 
     def _start_agents(self) -> list[str]:
+        """One agent per client, each inside its emulated device's CPU cap (the cap's prefix goes first:
+        ``ip netns exec`` hides /sys/fs/cgroup)."""
         sockets = [str(self.run_dir / f".agent-{i}.sock") for i in range(self.config.clients)]
-        for i, (prefix, sock) in enumerate(zip(self.place.client_prefixes, sockets, strict=True)):
-            self.procs.start(f"agent-{i}", [*prefix, sys.executable, "-m", "edge.agent", "--socket", sock])
+        tag = str(os.getpid())
+        for i, (prefix, sock, device) in enumerate(
+            zip(self.place.client_prefixes, sockets, devices_for(self.config), strict=True)
+        ):
+            cap = self.caps.enter_context(CpuCap(device, f"agent-{i}", tag=tag))
+            argv = [sys.executable, "-m", "edge.agent", "--socket", sock]
+            self.procs.start(f"agent-{i}", [*cap.argv_prefix(), *prefix, *argv])
         return sockets
 
     def submit(self, address: str) -> str:
@@ -246,8 +266,8 @@ def run(config: RunConfig, progress: Callable[[str], None] = print) -> Path:
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)
         save_config(config, run_dir / "config.toml")
-        with ProcessGroup(logs, _flower_env(run_dir)) as procs:
-            federation = LocalFederation(config, run_dir, place, procs)
+        with contextlib.ExitStack() as caps, ProcessGroup(logs, _flower_env(run_dir)) as procs:
+            federation = LocalFederation(config, run_dir, place, procs, caps)
             address = federation.start()
             run_id = federation.submit(address)
             progress(

@@ -22,10 +22,11 @@ from flwr.serverapp import Grid
 
 from edge.data import load_dataset
 from edge.models import build_model, get_flat_params, param_layout, set_flat_params
+from edge.onnx import export_onnx
 from edge.trainer import evaluate
 from edgefl.config import RunConfig
 from fl_client.wire import TrainInstruction, instruction_content, parse_reply, wire_bytes
-from fl_server.results import append_round, read_rounds, save_checkpoint, summarize, write_summary
+from fl_server.results import GLOBAL_ONNX, append_round, read_rounds, save_checkpoint, summarize, write_summary
 from strategies.rounds import ClosedRound, Contribution, Rejection, Request, RoundEngine
 
 log = logging.getLogger("edgefl.server")
@@ -67,9 +68,9 @@ class Evaluator:
     """Evaluates the global model of each closed round on the test split and appends its rounds.jsonl row."""
 
     def __init__(self, config: RunConfig, run_dir: Path) -> None:
-        dataset = load_dataset(config.dataset, config.data_dir or None)
-        self.x, self.y = dataset.x_test, dataset.y_test
-        self.model = build_model(dataset, config.seed)
+        self.dataset = load_dataset(config.dataset, config.data_dir or None)
+        self.x, self.y = self.dataset.x_test, self.dataset.y_test
+        self.model = build_model(self.dataset, config.seed)
         self.run_dir = run_dir
         self.target = config.target_accuracy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluate")
@@ -86,6 +87,11 @@ class Evaluator:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def export(self, params: np.ndarray) -> None:
+        """The final global model as ONNX, for devices that evaluate with onnxruntime (edgefl edge bench)."""
+        set_flat_params(self.model, params)
+        export_onnx(self.model, self.dataset, self.run_dir / GLOBAL_ONNX)
 
 
 @dataclasses.dataclass
@@ -142,6 +148,7 @@ class ServerLoop:
                     time.sleep(POLL_S)
         finally:
             self.evaluator.close()
+        self.evaluator.export(self.engine.global_params)
         write_summary(self.run_dir, summarize(dataclasses.asdict(self.config), read_rounds(self.run_dir)))
 
     def _message(self, node: int, request: Request) -> Message:

@@ -1,6 +1,6 @@
 """The files a run leaves in ``runs/NAME/``: ``rounds.jsonl`` (one object per closed round),
-``summary.json``, ``checkpoint.npz`` (the global model after the newest round) and ``server_error.txt``
-when the server failed."""
+``summary.json``, ``checkpoint.npz`` (the global model after the newest round), ``global.onnx`` (the final
+model) and ``server_error.txt`` when the server failed."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 ROUNDS = "rounds.jsonl"
 SUMMARY = "summary.json"
 CHECKPOINT = "checkpoint.npz"
+GLOBAL_ONNX = "global.onnx"
 SERVER_ERROR = "server_error.txt"
 
 

@@ -17,7 +17,7 @@ from edge.devices import DEVICE_PROFILES, CpuCap, DeviceError, cpu_hierarchy, de
 TAG = f"test{os.getpid()}"
 NOBODY_UID = 65534
 TOLERANCE = 0.15
-TRAIN_STEPS = 50  # about 1 s of CPU time for the 72k-parameter CNN on one core of this machine
+TRAIN_STEPS = 100  # about 1 s of CPU time for edgefl's CNN on 28x28 images, on one core of this machine
 
 # A training workload in a child process: it imports torch and warms up first, so the timed part is training
 # only; then for every "go" on stdin it trains TRAIN_STEPS steps on one thread and prints "cpu_s wall_s".

@@ -39,6 +39,7 @@ def test_two_supernodes_two_rounds_on_digits(run_dir: Path) -> None:
     assert (run_dir / "accuracy_vs_time.png").stat().st_size > 1000
     assert (run_dir / "accuracy_vs_rounds.png").stat().st_size > 1000
     assert load_checkpoint(run_dir)[0] == 2
+    assert (run_dir / "global.onnx").stat().st_size > 10_000
     assert "results:" in done.stdout
 
 

@@ -49,6 +49,11 @@ class CodecSpec:
     stage: DGCStage = "full"
     clip_norm: float | None = None
 
+    @property
+    def holds_momentum(self) -> bool:
+        """DGC's memory keeps the momentum (momentum correction): the client must then run plain SGD."""
+        return self.name == "dgc" and self.stage in ("momentum", "warmup", "full")
+
 
 def parse_codec(spec: str) -> CodecSpec:
     """Parse e.g. "none", "topk:0.01", "dgc:0.999", "dgc:0.999:momentum:clip=0.5", "powersgd:2", "onebit",
