@@ -13,6 +13,7 @@ t − D − 1; D = 0 is FedAvg's lock-step).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -123,7 +125,7 @@ class EdgeAgent:
         current = self._session
         if current and current.job == job and current.partition_id == pid:
             return current
-        session = Session(job, pid, n)  # loads data outside the lock-free fast path; takes seconds once
+        session = Session(job, pid, n)  # loads data and builds the model: seconds, once per run
         with self._cond:
             self._session = session
             self._error = None
@@ -131,6 +133,9 @@ class EdgeAgent:
         threading.Thread(target=self._train_forever, args=(session,), daemon=True, name="trainer").start()
         log.info("new session: %s partition %d (%d examples)", job["dataset"], pid, session.num_examples)
         return session
+
+    def preload(self, header: dict[str, Any]) -> None:
+        self._session_for(header)
 
     def handle_train(self, header: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         session = self._session_for(header)
@@ -187,9 +192,12 @@ def _serve_connection(agent: EdgeAgent, conn: socket.socket) -> None:
             log.warning("connection dropped: %s", exc)
 
 
-def serve(socket_path: str) -> None:
-    """Accept ClientApp connections until SIGTERM/SIGINT; one thread per connection."""
+def serve(socket_path: str, preload: dict[str, Any] | None = None) -> None:
+    """Accept ClientApp connections until SIGTERM/SIGINT; one thread per connection. ``preload`` (a train
+    header without the model) builds the session before the first message, so round 1 does not pay for it."""
     agent = EdgeAgent()
+    if preload:
+        agent.preload(preload)
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -219,10 +227,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m edge.agent", description=__doc__.split("\n\n")[0])
     parser.add_argument("--socket", required=True, help="Unix socket path to listen on")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--job", type=Path, help="JSON job of the coming run: load its data before round 1")
+    parser.add_argument("--partition-id", type=int, default=0)
+    parser.add_argument("--num-partitions", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    serve(args.socket)
+    preload = None
+    if args.job:
+        job = json.loads(args.job.read_text())
+        preload = {"job": job, "partition-id": args.partition_id, "num-partitions": args.num_partitions}
+    serve(args.socket, preload)
 
 
 if __name__ == "__main__":

@@ -138,3 +138,23 @@ def save_config(config: RunConfig, path: Path) -> None:
 
 def load_config(path: Path) -> RunConfig:
     return build_config(path)
+
+
+def client_job(config: RunConfig) -> dict[str, Any]:
+    """What every client needs to know to train this run (sent with each message; a few hundred bytes)."""
+    spec = config.strategy_spec
+    return {
+        "run": config.name,
+        "dataset": config.dataset,
+        "data-dir": config.data_dir,
+        "partition": config.partition,
+        "seed": config.seed,
+        "rounds": config.rounds,
+        "local-steps": config.local_steps,
+        "batch-size": config.batch_size,
+        "lr": config.lr,
+        "momentum": config.momentum,
+        "delay": spec.delay,
+        "correction": spec.correction,
+        "codec": config.compress,
+    }

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from edge.devices import CpuCap, DeviceProfile, device_profile
 from edge.protocol import call_agent
-from edgefl.config import ConfigError, RunConfig, save_config
+from edgefl.config import ConfigError, RunConfig, client_job, save_config
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail
 from fl_server.results import ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
 from netem.profiles import Link, load_links, resolve_links
@@ -173,12 +173,15 @@ class LocalFederation:
         """One agent per client, each inside its emulated device's CPU cap (the cap's prefix goes first:
         ``ip netns exec`` hides /sys/fs/cgroup)."""
         sockets = [str(self.run_dir / f".agent-{i}.sock") for i in range(self.config.clients)]
+        job = self.run_dir / ".job.json"
+        job.write_text(json.dumps(client_job(self.config)))
         tag = str(os.getpid())
         for i, (prefix, sock, device) in enumerate(
             zip(self.place.client_prefixes, sockets, devices_for(self.config), strict=True)
         ):
             cap = self.caps.enter_context(CpuCap(device, f"agent-{i}", tag=tag))
-            argv = [sys.executable, "-m", "edge.agent", "--socket", sock]
+            argv = [sys.executable, "-m", "edge.agent", "--socket", sock, "--job", str(job),
+                    "--partition-id", str(i), "--num-partitions", str(self.config.clients)]  # fmt: skip
             self.procs.start(f"agent-{i}", [*cap.argv_prefix(), *prefix, *argv])
         return sockets
 

@@ -20,9 +20,9 @@ from flwr.serverapp.strategy import FedAvg
 from edge.data import load_dataset
 from edge.models import build_model
 from edge.trainer import evaluate
-from edgefl.config import RunConfig, load_config
+from edgefl.config import RunConfig, client_job, load_config
 from fl_client.wire import wire_bytes
-from fl_server.engine import job_for, wait_for_nodes
+from fl_server.engine import wait_for_nodes
 from fl_server.results import SERVER_ERROR, append_round, read_rounds, summarize, write_summary
 
 log = logging.getLogger("edgefl.baseline")
@@ -98,7 +98,7 @@ def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=config.rounds,
-        train_config=ConfigRecord({k: v for k, v in job_for(config).items() if not isinstance(v, bool)}),
+        train_config=ConfigRecord({k: v for k, v in client_job(config).items() if not isinstance(v, bool)}),
         evaluate_fn=evaluate_fn,
     )
     write_summary(run_dir, summarize(dataclasses.asdict(config), read_rounds(run_dir)))

@@ -24,7 +24,7 @@ from edge.data import load_dataset
 from edge.models import build_model, get_flat_params, param_layout, set_flat_params
 from edge.onnx import export_onnx
 from edge.trainer import evaluate
-from edgefl.config import RunConfig
+from edgefl.config import RunConfig, client_job
 from fl_client.wire import TrainInstruction, instruction_content, parse_reply, wire_bytes
 from fl_server.results import GLOBAL_ONNX, append_round, read_rounds, save_checkpoint, summarize, write_summary
 from strategies.rounds import ClosedRound, Contribution, Rejection, Request, RoundEngine
@@ -33,26 +33,6 @@ log = logging.getLogger("edgefl.server")
 
 POLL_S = 0.02
 NODE_WAIT_S = 180.0
-
-
-def job_for(config: RunConfig) -> dict[str, Any]:
-    """What every client needs to know to train this run (sent with each message; a few hundred bytes)."""
-    spec = config.strategy_spec
-    return {
-        "run": config.name,
-        "dataset": config.dataset,
-        "data-dir": config.data_dir,
-        "partition": config.partition,
-        "seed": config.seed,
-        "rounds": config.rounds,
-        "local-steps": config.local_steps,
-        "batch-size": config.batch_size,
-        "lr": config.lr,
-        "momentum": config.momentum,
-        "delay": spec.delay,
-        "correction": spec.correction,
-        "codec": config.compress,
-    }
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> list[int]:
@@ -117,7 +97,7 @@ class ServerLoop:
         self.grid = grid
         self.config = config
         self.run_dir = run_dir
-        self.job = job_for(config)
+        self.job = client_job(config)
         self.evaluator = Evaluator(config, run_dir)
         model = self.evaluator.model
         self.engine = RoundEngine(
