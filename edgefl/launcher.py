@@ -23,7 +23,7 @@ from edge.devices import CpuCap, DeviceProfile, device_profile
 from edge.protocol import call_agent
 from edgefl.config import ConfigError, RunConfig, client_job, save_config
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail
-from fl_server.results import ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
+from fl_server.results import CHECKPOINT, GLOBAL_ONNX, ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
 from netem.profiles import Link, load_links, resolve_links
 from netem.testbed import Testbed
 
@@ -101,7 +101,7 @@ def placement_for(config: RunConfig) -> Iterator[Placement]:
 def prepare_run_dir(config: RunConfig) -> Path:
     run_dir = Path(config.out).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in (ROUNDS, SUMMARY, SERVER_ERROR, "checkpoint.npz"):
+    for name in (ROUNDS, SUMMARY, SERVER_ERROR, CHECKPOINT, GLOBAL_ONNX):
         (run_dir / name).unlink(missing_ok=True)
     return run_dir
 

@@ -112,6 +112,7 @@ class ServerLoop:
         self.traffic = Traffic()
         self.outstanding: dict[str, int] = {}
         self.partition_of: dict[int, int] = {}
+        self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
         self.t0 = 0.0
 
     def run(self) -> None:
@@ -179,6 +180,7 @@ class ServerLoop:
             self.traffic.rejected.append(Rejection(node, -1, f"malformed reply: {exc}"))
             return
         self.partition_of[node] = parsed.partition_id
+        self.health[parsed.partition_id] = parsed.health
         contributions = [
             Contribution(m.round, m.num_examples, m.stype, payload, m.train_s, m.loss)
             for m, payload in zip(parsed.updates, parsed.payloads(), strict=True)
@@ -201,6 +203,7 @@ class ServerLoop:
             "closed_by": closed.closed_by,
             "client_train_s": float(np.mean(closed.train_s)),
             "train_loss": float(np.mean([x for x in closed.losses if math.isfinite(x)] or [math.nan])),
+            "client_health": {str(pid): report for pid, report in sorted(self.health.items())},
             **self.traffic.take(),
         }
 

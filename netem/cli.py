@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
 import os
 import sys
 from collections.abc import Callable
@@ -38,8 +39,30 @@ def _links(spec: str, count: int, profiles: Path | None) -> list[Link]:
     return resolve_links(spec, count, load_links(profiles) if profiles else None)
 
 
+def _client_links(pairs: list[str], profiles: Path | None) -> dict[str, Link]:
+    """``IP=PROFILE`` pairs → {ip: link}."""
+    clients = {}
+    for pair in pairs:
+        ip, sep, name = pair.partition("=")
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            raise LinkError(f"--client expects IPv4=PROFILE, got {pair!r}") from None
+        if not sep:
+            raise LinkError(f"--client expects IPv4=PROFILE, got {pair!r}")
+        (clients[ip],) = _links(name, 1, profiles)
+    return clients
+
+
 @_reporting_link_errors
 def apply_command(args: argparse.Namespace) -> int:
+    if args.client:
+        clients = _client_links(args.client, args.profiles)
+        tc.shape_clients(args.dev, clients)
+        print(f"{args.dev}: shaped per client: " + ", ".join(f"{ip} {link.name}" for ip, link in clients.items()))
+        return 0
+    if not args.profile:
+        raise LinkError("give --profile NAME (the whole interface) or --client IP=PROFILE (per client)")
     (link,) = _links(args.profile, 1, args.profiles)
     tc.apply(args.dev, link)
     print(f"{args.dev}: {link.name} applied ({link.source})")
@@ -111,7 +134,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     apply = commands.add_parser("apply", help="shape an interface with a link profile (needs netem and root)")
     apply.add_argument("--dev", required=True, help="interface, e.g. eth0")
-    apply.add_argument("--profile", required=True, help="link profile name, e.g. home-wifi")
+    apply.add_argument("--profile", help="link profile name for the whole interface, e.g. home-wifi")
+    apply.add_argument("--client", action="append", metavar="IP=PROFILE",
+                       help="server side: shape traffic to and from one client address (repeatable)")  # fmt: skip
     apply.add_argument("--profiles", type=Path, help="TOML file with your own link profiles")
     apply.set_defaults(func=apply_command)
 

@@ -26,6 +26,7 @@ def test_two_supernodes_two_rounds_on_digits(run_dir: Path) -> None:
     for row in rows:
         assert {"wall_s", "test_loss", "test_accuracy", "bytes_up", "bytes_down", "client_train_s"} <= set(row)
         assert row["clients"] == [0, 1] and row["rejected"] == []
+        assert all(row["client_health"][pid]["peak_rss_mb"] > 50 for pid in ("0", "1"))
         # Real serialized sizes: at least the float32 model each way, per client (digits CNN, > 10 kB).
         assert row["bytes_up"] > 2 * 4 * 10_000 and row["bytes_down"] > 2 * 4 * 10_000
     assert rows[0]["wall_s"] < rows[1]["wall_s"]

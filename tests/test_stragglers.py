@@ -27,6 +27,7 @@ def test_a_silent_client_does_not_stall_the_run(run_dir: Path) -> None:
     assert proc.returncode == 0, err
     rows = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    late = [r for r in rows if r["closed_by"] == "deadline"]
-    assert late and all(r["clients"] == [0, 1] for r in late)
-    assert rows[-1]["closed_by"] == "deadline"
+    assert all(len(r["clients"]) >= 2 for r in rows)  # quorum: ceil(0.6 · 3)
+    # Frozen after round 1, client 2 can have trained at most D + 1 = 2 rounds ahead of the model it held:
+    # the last rounds close at their deadline without it.
+    assert all(r["closed_by"] == "deadline" and 2 not in r["clients"] for r in rows[-2:])

@@ -89,8 +89,23 @@ def scatter(indices: Indices, values: Vector, size: int) -> Vector:
     return dense
 
 
+class SparseCompressor(Compressor):
+    """Formats that carry (indices, values): the server adds them in O(count), never densifying."""
+
+    def _entries(self, payload: bytes, layout: Layout) -> tuple[Indices, Vector]:
+        """The validated (indices, values) of ``payload``; raises MalformedUpdate."""
+        raise NotImplementedError
+
+    def decode(self, payload: bytes, layout: Layout) -> Vector:
+        return scatter(*self._entries(payload, layout), layout_info(layout).size)
+
+    def accumulate(self, acc: Accumulator, payload: bytes, layout: Layout, weight: float) -> None:
+        indices, values = self._entries(payload, layout)
+        acc[indices] += weight * values
+
+
 @dataclass(frozen=True)
-class TopK(Compressor):
+class TopK(SparseCompressor):
     """Top-k sparsification (Aji & Heafield 2017); pair it with error feedback (ResidualMemory).
 
     Sends C(v)_i = v_i for the k = max(1, round(ratio·P)) entries of largest |v_i|, 0 elsewhere.
@@ -107,13 +122,6 @@ class TopK(Compressor):
         scale, body = pack_sparse(indices, v[indices], v.size)
         return SPARSE_HEADER.pack(FORMAT_VERSION, v.size, k, scale) + body
 
-    def decode(self, payload: bytes, layout: Layout) -> Vector:
-        return scatter(*self._entries(payload, layout), layout_info(layout).size)
-
-    def accumulate(self, acc: Accumulator, payload: bytes, layout: Layout, weight: float) -> None:
-        indices, values = self._entries(payload, layout)
-        acc[indices] += weight * values
-
     def _entries(self, payload: bytes, layout: Layout) -> tuple[Indices, Vector]:
         count, scale = read_header(payload, SPARSE_HEADER, layout, self.stype)
         size = layout_info(layout).size
@@ -122,7 +130,7 @@ class TopK(Compressor):
 
 
 @dataclass(frozen=True)
-class Threshold(Compressor):
+class Threshold(SparseCompressor):
     """Threshold quantization (Strom 2015); pair it with error feedback (ResidualMemory).
 
     Sends C(v)_i = τ·sign(v_i) where |v_i| ≥ τ, 0 elsewhere.
@@ -138,13 +146,6 @@ class Threshold(Compressor):
         signs = np.packbits(v[indices] < 0).tobytes()
         header = SPARSE_HEADER.pack(FORMAT_VERSION, v.size, indices.size, self.tau)
         return header + indices.astype(index_dtype(v.size)).tobytes() + signs
-
-    def decode(self, payload: bytes, layout: Layout) -> Vector:
-        return scatter(*self._entries(payload, layout), layout_info(layout).size)
-
-    def accumulate(self, acc: Accumulator, payload: bytes, layout: Layout, weight: float) -> None:
-        indices, values = self._entries(payload, layout)
-        acc[indices] += weight * values
 
     def _entries(self, payload: bytes, layout: Layout) -> tuple[Indices, Vector]:
         count, tau = read_header(payload, SPARSE_HEADER, layout, self.stype)
