@@ -13,7 +13,6 @@ from typing import Any
 
 _LENGTHS = struct.Struct("!II")
 MAX_HEADER = 16 * 1024 * 1024
-MAX_BLOB = 4 * 1024 * 1024 * 1024 - 1
 
 
 class ProtocolError(ConnectionError):

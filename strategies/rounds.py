@@ -192,8 +192,3 @@ class RoundEngine:
     def _deadline_passed(self, now: float) -> bool:
         since = self._oldest_open_since
         return self.deadline_s is not None and since is not None and now - since >= self.deadline_s
-
-    def seconds_to_deadline(self, now: float) -> float | None:
-        if self.deadline_s is None or self._oldest_open_since is None:
-            return None
-        return max(0.0, self._oldest_open_since + self.deadline_s - now)

@@ -98,10 +98,11 @@ def test_cap_slows_training_by_the_profile_factor() -> None:
         assert _cgroup_of(child.pid) == "/"  # moved back to the root before the cgroup was removed
         child.stdin.close()
     assert child.returncode == 0
-    # The cap's share of one core: CPU time over wall time while capped ...
+    # The cap's share of one core, CPU time over wall time while capped: training runs 1/fraction slower ...
     assert capped_cpu_s / capped_wall_s == pytest.approx(profile.cpu_fraction, rel=TOLERANCE)
-    # ... and the slowdown against the same work uncapped (its CPU time: the work itself, whatever the load).
-    assert capped_wall_s / uncapped_cpu_s == pytest.approx(1 / profile.cpu_fraction, rel=TOLERANCE)
+    # ... which is at least that slowdown against the same work uncapped. Only a lower bound: the same work
+    # can cost more CPU time when throttled (cold caches after each quota period), seen up to 1.25x here.
+    assert capped_wall_s / uncapped_cpu_s >= (1 - TOLERANCE) / profile.cpu_fraction
 
 
 @needs_cgroups
