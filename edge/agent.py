@@ -75,16 +75,16 @@ class Session:
     def can_train(self) -> bool:
         return self.next_round <= self.last_round and self.dga.can_start(self.next_round)
 
-    def train_one_round(self, round_: int, start: np.ndarray) -> ReadyUpdate:
-        """K local steps from ``start``; the update is what the server will decode, Δ = w_end − w_start."""
+    def train_one_round(self, round_: int, start: np.ndarray) -> tuple[ReadyUpdate, np.ndarray]:
+        """K local steps from ``start``: the encoded update Δ = w_end − w_start, and Δ as the server will decode
+        it (what DGA's correction must subtract later)."""
         t0 = time.perf_counter()
         set_flat_params(self.model, start)
         loss = self.trainer.train_steps(self.job["local-steps"])
         update = get_flat_params(self.model) - start
         stype, payload = self.codec.encode(update, round_)
         sent = server_compressor(stype).decode(payload, self.layout)
-        self.dga.record_sent(round_, sent)
-        return ReadyUpdate(round_, stype, payload, self.num_examples, time.perf_counter() - t0, loss)
+        return ReadyUpdate(round_, stype, payload, self.num_examples, time.perf_counter() - t0, loss), sent
 
 
 class EdgeAgent:
@@ -105,7 +105,7 @@ class EdgeAgent:
                 start = session.dga.start_params()
                 session.training = True
             try:
-                ready = session.train_one_round(round_, start)
+                ready, sent = session.train_one_round(round_, start)
             except Exception as exc:
                 log.exception("training failed")
                 with self._cond:
@@ -113,7 +113,8 @@ class EdgeAgent:
                     session.training = False
                     self._cond.notify_all()
                 return
-            with self._cond:
+            with self._cond:  # DGA's bookkeeping changes only under the lock: the ClientApp thread reads it too
+                session.dga.record_sent(round_, sent)
                 session.outbox.append(ready)
                 session.next_round = max(session.next_round, round_ + 1)
                 session.training = False
