@@ -52,7 +52,6 @@ class Evaluator:
         self.x, self.y = self.dataset.x_test, self.dataset.y_test
         self.model = build_model(self.dataset, config.seed)
         self.run_dir = run_dir
-        self.target = config.target_accuracy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluate")
 
     def submit(self, params: np.ndarray, row: dict[str, Any]) -> None:
