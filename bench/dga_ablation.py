@@ -2,10 +2,7 @@
 delays D, next to FedAvg (D = 0), on non-IID data — the paper's ablation (Zhu et al. 2021, Table: ResNet-18 /
 CIFAR-10, w/o → with correction: D=5 88.7→89.2, D=10 86.9→89.3, D=15 85.5→89.0, D=20 84.2→88.7).
 
-This is an in-process simulation with EXACT staleness: before round t every client receives the global model
-of round t − D − 1, never a newer one (in a deployment the engine hands out the newest model it has, so the
-real staleness is at most D). It uses the same pieces as a deployment — edge.trainer.LocalTrainer,
-strategies.dga.DelayedAveragingClient, strategies.fedavg — without Flower, so that only the algorithm differs.
+The in-process simulation with EXACT staleness of bench/sim.py: only the algorithm differs between the rows.
 
     python bench/dga_ablation.py [--delays 2,4,8] [--rounds 40] [--partition dirichlet:0.1]
 """
@@ -17,47 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-
-from edge.data import load_dataset, partition_indices
-from edge.models import build_model, get_flat_params, set_flat_params
-from edge.trainer import LocalTrainer, evaluate
-from strategies.dga import DelayedAveragingClient
-from strategies.fedavg import apply_update
-
-
-def simulate(args: argparse.Namespace, delay: int, correction: bool) -> list[float]:
-    """Test accuracy after every round."""
-    dataset = load_dataset(args.dataset)
-    parts = partition_indices(dataset, args.partition, args.clients, args.seed)
-    model = build_model(dataset, args.seed)
-    history = {0: get_flat_params(model)}
-    trainers, clients = [], []
-    for j, idx in enumerate(parts):
-        local = build_model(dataset, args.seed)
-        trainers.append(LocalTrainer(local, dataset.x_train[idx], dataset.y_train[idx], args.batch_size, args.lr,
-                                     args.momentum, seed=args.seed * 1000 + j))  # fmt: skip
-        clients.append(DelayedAveragingClient(delay, correction))
-        clients[-1].receive_global(0, history[0])
-    weights = np.array([len(idx) for idx in parts], dtype=np.float64)
-    accuracies = []
-    for r in range(1, args.rounds + 1):
-        updates = []
-        for trainer, client in zip(trainers, clients, strict=True):
-            if r - delay - 1 >= 0:
-                client.receive_global(r - delay - 1, history[r - delay - 1])
-            start = client.start_params()
-            set_flat_params(trainer.model, start)
-            trainer.train_steps(args.local_steps)
-            update = get_flat_params(trainer.model) - start
-            client.record_sent(r, update)
-            updates.append(update.astype(np.float64))
-        mean = (np.tensordot(weights, np.array(updates), axes=1) / weights.sum()).astype(np.float32)
-        history[r] = apply_update(history[r - 1], mean)
-        set_flat_params(model, history[r])
-        accuracies.append(evaluate(model, dataset.x_test, dataset.y_test)[1])
-    return accuracies
+from sim import SimConfig, simulate
 
 
 def main() -> int:
@@ -80,7 +38,12 @@ def main() -> int:
     configs = [(0, True)] + [(d, c) for d in map(int, args.delays.split(",")) for c in (False, True)]
     for delay, correction in configs:
         started = time.monotonic()
-        acc = simulate(args, delay, correction)
+        config = SimConfig(
+            dataset=args.dataset, partition=args.partition, clients=args.clients, rounds=args.rounds,
+            local_steps=args.local_steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+            seed=args.seed, delay=delay, correction=correction,
+        )  # fmt: skip
+        acc = simulate(config).accuracy
         name = (
             "fedavg (D=0)" if delay == 0 else f"dga D={delay} " + ("with" if correction else "without") + " correction"
         )

@@ -5,9 +5,9 @@ own rate over ``lan``).
 
 Runs, one after another on this machine, all as real deployments in the namespaced testbed with the same data,
 partition, seed, rounds and K:  edgefl fedavg, dga:D and Flower's FedAvg over ``--profile`` (default
-long-distance), then dga:D over ``lan``.
+long-distance), then each dga:D over ``lan``.
 
-    python bench/dga_vs_fedavg.py [--delay 4] [--rounds 20] [--target-accuracy 0.7]
+    python bench/dga_vs_fedavg.py [--delays 4,8] [--rounds 20] [--lr-schedule constant|cosine] [--target-accuracy 0.78]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from edgefl.compare import run_dir_for
 from edgefl.config import build_config
 from edgefl.launcher import run
+from edgefl.processes import interrupt_on_sigterm
 from edgefl.report import load_run, plot_runs, table
 
 
@@ -34,44 +35,45 @@ def tail_mean(rows: list[dict], count: int = 3) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="long-distance")
-    parser.add_argument("--delay", type=int, default=8)
+    parser.add_argument("--delays", default="8", help="DGA delays D to run, comma-separated")
     parser.add_argument("--dataset", default="fashion-mnist")
     parser.add_argument("--partition", default="dirichlet:0.3")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--local-steps", type=int, default=20)
+    parser.add_argument("--lr-schedule", default="constant", help="constant | cosine")
     parser.add_argument("--target-accuracy", type=float, default=0.78)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-dga-vs-fedavg"))
     args = parser.parse_args()
-    dga = f"dga:{args.delay}"
-    plan = [("fedavg", args.profile), (dga, args.profile), ("flower-fedavg", args.profile), (dga, "lan")]
+    interrupt_on_sigterm()
+    dgas = [f"dga:{d}" for d in args.delays.split(",")]
+    plan = [(s, args.profile) for s in ("fedavg", *dgas, "flower-fedavg")] + [(s, "lan") for s in dgas]
     results = {}
-    for strategy, profile in plan:
+    for i, (strategy, profile) in enumerate(plan, 1):
         config = build_config(
             None, strategy=strategy, profile=profile, dataset=args.dataset, partition=args.partition,
-            clients=args.clients, rounds=args.rounds, local_steps=args.local_steps,
+            clients=args.clients, rounds=args.rounds, local_steps=args.local_steps, lr_schedule=args.lr_schedule,
             target_accuracy=args.target_accuracy, out=str(run_dir_for(args.out, profile, strategy)),
         )  # fmt: skip
-        print(f"== {strategy} over {profile}", flush=True)
+        print(f"== [{i}/{len(plan)}] {strategy} over {profile}", flush=True)
         results[strategy, profile] = load_run(run(config, lambda line: print("   " + line, flush=True)))
-    slow = [results[s, args.profile] for s in ("fedavg", dga, "flower-fedavg")]
+    slow = [results[s, args.profile] for s in ("fedavg", *dgas, "flower-fedavg")]
     plot_runs(slow, args.out, f"{args.dataset} {args.partition}, {args.clients} clients, {args.profile}")
-    fed, dg, flw = (summary for summary, _ in slow)
-    lan = results[dga, "lan"][0]
-    target, steps = args.target_accuracy, dg["local_steps_per_s"] / lan["local_steps_per_s"]
-    lines = [
-        table([fed, dg, flw, lan]),
-        "",
-        f"time to {target:g} accuracy over {args.profile}: DGA "
-        f"{ratio(fed['time_to_target_s'], dg['time_to_target_s'])} sooner than edgefl FedAvg, "
-        f"{ratio(flw['time_to_target_s'], dg['time_to_target_s'])} sooner than Flower's FedAvg",
-        f"final accuracy after {args.rounds} rounds: DGA {dg['final_accuracy']:.4f}, edgefl FedAvg "
-        f"{fed['final_accuracy']:.4f} ({100 * (dg['final_accuracy'] - fed['final_accuracy']):+.2f} points)",
-        f"mean test accuracy of the last 3 rounds: DGA {tail_mean(slow[1][1]):.4f}, edgefl FedAvg "
-        f"{tail_mean(slow[0][1]):.4f} ({100 * (tail_mean(slow[1][1]) - tail_mean(slow[0][1])):+.2f} points)",
-        f"latency hidden: DGA local steps/s over {args.profile} / over lan = {dg['local_steps_per_s']:.1f} / "
-        f"{lan['local_steps_per_s']:.1f} = {steps:.2f}",
-    ]
+    (fed, fed_rows), (flw, _) = slow[0], slow[-1]
+    lines = [table([summary for summary, _ in slow] + [results[s, "lan"][0] for s in dgas]), ""]
+    for dga in dgas:
+        dg, dg_rows = results[dga, args.profile]
+        lan = results[dga, "lan"][0]
+        lines += [
+            f"{dga}: time to {args.target_accuracy:g} accuracy over {args.profile} "
+            f"{ratio(fed['time_to_target_s'], dg['time_to_target_s'])} sooner than edgefl FedAvg, "
+            f"{ratio(flw['time_to_target_s'], dg['time_to_target_s'])} sooner than Flower's FedAvg; "
+            f"final accuracy after {args.rounds} rounds {dg['final_accuracy']:.4f} vs {fed['final_accuracy']:.4f} "
+            f"({100 * (dg['final_accuracy'] - fed['final_accuracy']):+.2f} points), mean of the last 3 rounds "
+            f"{100 * (tail_mean(dg_rows) - tail_mean(fed_rows)):+.2f} points; latency hidden: local steps/s over "
+            f"{args.profile} / over lan = {dg['local_steps_per_s']:.1f} / {lan['local_steps_per_s']:.1f} = "
+            f"{dg['local_steps_per_s'] / lan['local_steps_per_s']:.2f}",
+        ]
     text = "\n".join(lines)
     (args.out / "result.md").write_text(text + "\n")
     print(text)

@@ -31,9 +31,10 @@ from edge.data import load_dataset, partition_indices
 from edge.health import health_snapshot
 from edge.models import build_model, get_flat_params, param_layout, set_flat_params
 from edge.protocol import ProtocolError, recv_frame, send_frame
-from edge.trainer import LocalTrainer
+from edge.trainer import LocalTrainer, scheduled_lr
 from strategies.codecs import make_client_codec, parse_codec, server_compressor
 from strategies.dga import DelayedAveragingClient
+from strategies.downlink import Broadcast, BroadcastDecoder
 
 log = logging.getLogger("edgefl.agent")
 
@@ -51,10 +52,10 @@ class ReadyUpdate:
 class Session:
     """One run's state on this device. Everything that must outlive a Flower message lives here."""
 
-    def __init__(self, job: dict[str, Any], partition_id: int, num_partitions: int) -> None:
+    def __init__(self, job: dict[str, Any], partition_id: int, num_partitions: int, data_dir: str = "") -> None:
         self.job = job
         self.partition_id = partition_id
-        dataset = load_dataset(job["dataset"], job.get("data-dir") or None)
+        dataset = load_dataset(job["dataset"], data_dir or job.get("data-dir") or None)
         parts = partition_indices(dataset, job["partition"], num_partitions, job["seed"])
         idx = parts[partition_id]
         self.num_examples = len(idx)
@@ -67,6 +68,7 @@ class Session:
         )
         self.codec = make_client_codec(job["codec"], self.layout, seed=seed, num_clients=num_partitions)
         self.dga = DelayedAveragingClient(job["delay"], job["correction"])
+        self.broadcast = BroadcastDecoder(self.layout)
         self.last_round = job["rounds"]
         self.next_round = 1
         self.outbox: list[ReadyUpdate] = []
@@ -80,6 +82,7 @@ class Session:
         it (what DGA's correction must subtract later)."""
         t0 = time.perf_counter()
         set_flat_params(self.model, start)
+        self.trainer.set_lr(scheduled_lr(self.job["lr"], self.job["lr-schedule"], round_, self.last_round))
         loss = self.trainer.train_steps(self.job["local-steps"])
         update = get_flat_params(self.model) - start
         stype, payload = self.codec.encode(update, round_)
@@ -88,7 +91,8 @@ class Session:
 
 
 class EdgeAgent:
-    def __init__(self) -> None:
+    def __init__(self, data_dir: str = "") -> None:
+        self.data_dir = data_dir  # this device's data folder; overrides the run's data-dir
         self._cond = threading.Condition()
         self._session: Session | None = None
         self._error: str | None = None
@@ -126,7 +130,7 @@ class EdgeAgent:
         current = self._session
         if current and current.job == job and current.partition_id == pid:
             return current
-        session = Session(job, pid, n)  # loads data and builds the model: seconds, once per run
+        session = Session(job, pid, n, self.data_dir)  # loads data and builds the model: seconds, once per run
         with self._cond:
             self._session = session
             self._error = None
@@ -141,8 +145,9 @@ class EdgeAgent:
     def handle_train(self, header: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         session = self._session_for(header)
         with self._cond:
-            if header["global-round"] >= 0:
-                session.dga.receive_global(header["global-round"], np.frombuffer(blob, dtype=np.float32))
+            if header["global-round"] >= 0:  # x̂, the model as the (compressed) broadcast delivers it
+                reference = session.broadcast.receive(Broadcast.parse(header["broadcast"], blob))
+                session.dga.receive_global(header["global-round"], reference)
             session.next_round = max(session.next_round, int(header["next-round"]))
             self._cond.notify_all()
             self._cond.wait_for(
@@ -193,10 +198,10 @@ def _serve_connection(agent: EdgeAgent, conn: socket.socket) -> None:
             log.warning("connection dropped: %s", exc)
 
 
-def serve(socket_path: str, preload: dict[str, Any] | None = None) -> None:
+def serve(socket_path: str, preload: dict[str, Any] | None = None, data_dir: str = "") -> None:
     """Accept ClientApp connections until SIGTERM/SIGINT; one thread per connection. ``preload`` (a train
     header without the model) builds the session before the first message, so round 1 does not pay for it."""
-    agent = EdgeAgent()
+    agent = EdgeAgent(data_dir)
     if preload:
         agent.preload(preload)
     if os.path.exists(socket_path):
@@ -229,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--socket", required=True, help="Unix socket path to listen on")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--job", type=Path, help="JSON job of the coming run: load its data before round 1")
+    parser.add_argument("--data-dir", default="", help="this device's folder of the data set (overrides the run's)")
     parser.add_argument("--partition-id", type=int, default=0)
     parser.add_argument("--num-partitions", type=int, default=1)
     args = parser.parse_args(argv)
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.job:
         job = json.loads(args.job.read_text())
         preload = {"job": job, "partition-id": args.partition_id, "num-partitions": args.num_partitions}
-    serve(args.socket, preload)
+    serve(args.socket, preload, args.data_dir)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,19 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import nn
+
+
+def scheduled_lr(base: float, schedule: str, round_: int, rounds: int) -> float:
+    """The learning rate of round ``round_`` (1-based) of ``rounds``: ``base`` throughout, or cosine annealing
+    η_r = η · ½ (1 + cos(π (r − 1) / R)) (Loshchilov & Hutter 2017, per round instead of per step)."""
+    if schedule == "cosine":
+        return base * 0.5 * (1.0 + math.cos(math.pi * (round_ - 1) / rounds))
+    return base
 
 
 class LocalTrainer:
@@ -38,6 +48,10 @@ class LocalTrainer:
         idx = torch.from_numpy(self._order[self._pos : self._pos + self.batch_size])
         self._pos += self.batch_size
         return self.x[idx], self.y[idx]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def train_steps(self, steps: int) -> float:
         """Run ``steps`` optimizer steps; returns the mean training loss."""

@@ -3,6 +3,10 @@
     edgefl run [--config FILE] [--strategy fedavg|dga:D|flower-fedavg] [--dataset ...] ...
     edgefl report runs/A runs/B ... [--out DIR]
     edgefl netem apply|show|clear|verify ...
+    edgefl certs --out DIR [--host NAME_OR_IP ...] [--node-keys N]
+    edgefl server --listen HOST:PORT (--certs DIR | --insecure) [--auth-keys node-*.pub]
+    edgefl client --server HOST:PORT --partition-id I --num-partitions N (--root-cert FILE | --insecure) ...
+    edgefl run|compare --federation remote --server HOST:PORT (--root-cert FILE | --insecure) ...
 
 A user error prints one line (``edgefl: error: ...``) and exits 2; Ctrl-C stops everything and exits 130."""
 
@@ -10,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
 
-from edgefl.config import ConfigError, RunConfig, build_config
-from edgefl.processes import LaunchError
+from edgefl.config import ConfigError, RunConfig, build_config, load_config
+from edgefl.processes import LaunchError, interrupt_on_sigterm
 from strategies.spec import parse_strategy
 
 EXIT_USER_ERROR = 2
@@ -26,11 +28,12 @@ EXIT_INTERRUPTED = 130
 def _user_errors() -> tuple[type[Exception], ...]:
     from edge.data import DataError
     from edge.devices import DeviceError
+    from edgefl.certs import CertError
     from edgefl.report import ReportError
     from netem.profiles import LinkError
     from strategies.spec import StrategyError
 
-    return ConfigError, DataError, DeviceError, LaunchError, LinkError, ReportError, StrategyError
+    return CertError, ConfigError, DataError, DeviceError, LaunchError, LinkError, ReportError, StrategyError
 
 
 def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) -> None:
@@ -48,6 +51,7 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--momentum", type=float)
+    p.add_argument("--lr-schedule", help="constant | cosine (annealed over the run's rounds)")
     p.add_argument("--seed", type=int)
     p.add_argument("--target-accuracy", type=float)
     link_help = "link profile: loopback (no namespaces), or e.g. long-distance, or one per client: home-wifi,satellite"
@@ -59,9 +63,18 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     p.add_argument("--device-profile", help="emulated device CPU per client (local runs): laptop, rpi3, rpi4, "
                    "rpi5, or one per client: rpi4,rpi4,laptop")  # fmt: skip
     p.add_argument("--compress", help="update codec: none, topk:R, dgc:S, powersgd:R, onebit, terngrad, ...")
+    p.add_argument("--compress-down", help="codec of the global model's deltas sent to clients (same names)")
     p.add_argument("--quorum", type=float, help="fraction of clients that closes a round after its deadline")
     p.add_argument("--round-deadline-s", type=float, help="seconds a round waits for stragglers")
     p.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
+    p.add_argument("--federation", choices=("local", "remote"),
+                   help="local (default): start everything here; remote: submit to an edgefl server")  # fmt: skip
+    p.add_argument("--server", help="remote: the SuperLink's HOST:PORT")
+    p.add_argument("--root-cert", help="remote: the server's CA certificate (ca.pem from edgefl certs)")
+    p.add_argument("--insecure", action="store_true", default=None, help="remote: plain text to a --insecure server")
+    p.add_argument("--aggregate", help="mean (default) | median | trimmed-mean:BETA | krum:F (robust aggregation)")
+    p.add_argument("--eval-examples", type=int, help="evaluate the global model on a fixed sample of this many "
+                   "test examples (default 0: the whole test split)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | None = None) -> RunConfig:
@@ -84,15 +97,23 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "batch_size",
         "lr",
         "momentum",
+        "lr_schedule",
         "seed",
         "target_accuracy",
         "profile",
         "profiles_file",
         "device_profile",
         "compress",
+        "compress_down",
         "quorum",
         "round_deadline_s",
         "port",
+        "eval_examples",
+        "aggregate",
+        "federation",
+        "server",
+        "root_cert",
+        "insecure",
     )
     overrides = {k: getattr(args, k) for k in keys}
     if isinstance(args.profile, list):  # compare: the runs' profiles are passed to compare() separately
@@ -110,17 +131,22 @@ def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
     devices_for(config)
-    if config.strategy == "flower-fedavg" and config.compress != "none":
-        raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress")
+    if config.strategy == "flower-fedavg" and (config.compress, config.compress_down) != ("none", "none"):
+        raise ConfigError(
+            "flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress and --compress-down"
+        )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from edgefl.launcher import run
     from edgefl.report import load_run, plot_single, table
 
-    config = config_from_args(args)
+    if args.resume:  # the interrupted run's own settings
+        config = dataclasses.replace(load_config(args.resume / "config.toml"), out=str(args.resume))
+    else:
+        config = config_from_args(args)
     preflight(config)
-    run_dir = run(config)
+    run_dir = run(config, resume=bool(args.resume))
     plots = plot_single(run_dir)
     summary, _ = load_run(run_dir)
     print(table([summary]))
@@ -133,7 +159,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     base = config_from_args(args, DEFAULTS)
     strategies = [parse_strategy(s).label for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",")]
-    profiles = args.profile or list(DEFAULT_PROFILES)
+    profiles = args.profile or (["loopback"] if base.federation == "remote" else list(DEFAULT_PROFILES))
     preflight(base, profiles)
     text, plots = compare(base, strategies, profiles)
     print(text)
@@ -157,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run one federation on this machine (real SuperLink + SuperNodes)")
     add_run_options(p)
     p.add_argument("--out", help="results folder (default runs/default)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue an interrupted run from its last checkpoint, with its own settings")  # fmt: skip
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help="several strategies on identical data, seeds and links; one report")
@@ -171,19 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     from edge.cli import register as register_edge
+    from edgefl.remote import register as register_remote
     from netem.cli import register as register_netem
 
     register_netem(sub)
     register_edge(sub)
+    register_remote(sub)
     return parser
 
 
-def _raise_interrupt(*_: object) -> NoReturn:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupt_on_sigterm()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

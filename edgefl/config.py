@@ -16,6 +16,8 @@ import tomli_w
 from strategies.codecs import parse_codec
 from strategies.spec import StrategyError, StrategySpec, parse_strategy
 
+LR_SCHEDULES = ("constant", "cosine")  # see edge.trainer.scheduled_lr
+
 
 class ConfigError(ValueError):
     """A setting that cannot be used; ``str()`` is one line for the user."""
@@ -32,6 +34,7 @@ class RunConfig:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
+    lr_schedule: str = "constant"  # or "cosine": decays over the run's rounds (edge.trainer.scheduled_lr)
     seed: int = 0
     target_accuracy: float | None = None
     out: str = "runs/default"
@@ -41,9 +44,16 @@ class RunConfig:
     device_profile: str = "laptop"
     link_backend: str = "loopback"
     compress: str = "none"
+    compress_down: str = "none"  # codec of the global model's deltas sent to clients (strategies.downlink)
     quorum: float = 0.5
     round_deadline_s: float = 120.0
     port: int = 0
+    aggregate: str = "mean"  # mean | median | trimmed-mean:BETA | krum:F (fl_server.robust)
+    eval_examples: int = 0  # server-side evaluation on this many test examples (a fixed sample); 0 = all
+    federation: str = "local"  # local: this machine starts every process | remote: submit to a running SuperLink
+    server: str = ""  # remote: the SuperLink's HOST:PORT
+    root_cert: str = ""  # remote: the CA certificate (PEM) that signed the SuperLink's certificate
+    insecure: bool = False  # remote: plain-text connection to a SuperLink started with --insecure
 
     @property
     def strategy_spec(self) -> StrategySpec:
@@ -55,12 +65,17 @@ class RunConfig:
 
 
 _FIELDS = {f.name: f for f in fields(RunConfig)}
+FEDERATIONS = ("local", "remote")
 
 
 def _check(config: RunConfig) -> RunConfig:
     try:
         spec = parse_strategy(config.strategy)
         parse_codec(config.compress)
+        parse_codec(config.compress_down)
+        from fl_server.robust import make_aggregator  # imports Flower: only when a config is checked
+
+        make_aggregator(config.aggregate)
     except (StrategyError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     positive = {
@@ -76,6 +91,10 @@ def _check(config: RunConfig) -> RunConfig:
         raise ConfigError(f"lr must be positive, got {config.lr}")
     if not 0 <= config.momentum < 1:
         raise ConfigError(f"momentum must be in [0, 1), got {config.momentum}")
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"unknown lr-schedule {config.lr_schedule!r}; use {' or '.join(LR_SCHEDULES)}")
+    if config.eval_examples < 0:
+        raise ConfigError(f"eval-examples must be 0 (all) or positive, got {config.eval_examples}")
     if config.target_accuracy is not None and not 0 < config.target_accuracy <= 1:
         raise ConfigError(f"target-accuracy must be in (0, 1], got {config.target_accuracy}")
     if not 0 < config.quorum <= 1:
@@ -85,7 +104,37 @@ def _check(config: RunConfig) -> RunConfig:
     if not 0 <= config.port < 65536:
         raise ConfigError(f"port must be in 0..65535, got {config.port}")
     # The canonical spelling, so that a resolved config names DGA as dga:D.
+    _check_federation(config)
     return dataclasses.replace(config, strategy=spec.label)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port); raises ConfigError."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{address!r} is not HOST:PORT with a port in 1..65535")
+    return host, int(port)
+
+
+def _check_federation(config: RunConfig) -> None:
+    if config.federation not in FEDERATIONS:
+        raise ConfigError(f"unknown federation {config.federation!r}: use {' or '.join(FEDERATIONS)}")
+    if config.federation == "local":
+        if config.server or config.root_cert or config.insecure:
+            raise ConfigError("--server, --root-cert and --insecure are for --federation remote")
+        return
+    if not config.server:
+        raise ConfigError("--federation remote needs --server HOST:PORT")
+    parse_address(config.server)
+    if config.root_cert and config.insecure:
+        raise ConfigError("give --root-cert (TLS) or --insecure (plain text), not both")
+    if not (config.root_cert or config.insecure):
+        raise ConfigError("--federation remote needs --root-cert FILE (the server's CA certificate) or --insecure")
+    if config.profile != "loopback":
+        raise ConfigError("link profiles shape the local testbed; a remote federation runs over the real network")
+    if config.device_profile != "laptop":
+        raise ConfigError("device profiles emulate local clients; a remote federation's devices are real")
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -95,6 +144,10 @@ def _coerce(key: str, value: Any) -> Any:
         if "None" in kind:
             return None
         raise ConfigError(f"{key.replace('_', '-')} cannot be empty")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
+        return value
     try:
         if kind.startswith("int"):
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
@@ -154,6 +207,7 @@ def client_job(config: RunConfig) -> dict[str, Any]:
         "batch-size": config.batch_size,
         "lr": config.lr,
         "momentum": config.momentum,
+        "lr-schedule": config.lr_schedule,
         "delay": spec.delay,
         "correction": spec.correction,
         "codec": config.compress,

@@ -12,6 +12,8 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -19,9 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomli_w
+
 from edge.devices import CpuCap, DeviceProfile, device_profile
 from edge.protocol import call_agent
-from edgefl.config import ConfigError, RunConfig, client_job, save_config
+from edgefl.certs import ServerCerts, make_server_certs
+from edgefl.config import ConfigError, RunConfig, client_job, parse_address, save_config
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail
 from fl_server.results import CHECKPOINT, GLOBAL_ONNX, ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
 from netem.profiles import Link, load_links, resolve_links
@@ -30,6 +35,8 @@ from netem.testbed import Testbed
 FEDERATION = "edgefl"
 STARTUP_TIMEOUT_S = 90.0
 SUBMIT_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 30.0  # how long a remote SuperLink may stay unreachable before a command gives up
+CLIENT_PROCESSES = ("agent-", "supernode-")  # ProcessGroup names of a client's processes
 
 APP_TOML = """\
 [build-system]
@@ -68,6 +75,7 @@ class Placement:
     server_prefix: tuple[str, ...]
     client_prefixes: tuple[tuple[str, ...], ...]
     backend: str
+    testbed: Testbed | None = None  # the namespaced testbed, for fault injection (set_link_up, loss_burst, stall)
 
 
 def links_for(config: RunConfig) -> list[Link] | None:
@@ -89,17 +97,28 @@ def devices_for(config: RunConfig) -> list[DeviceProfile]:
 
 @contextlib.contextmanager
 def placement_for(config: RunConfig) -> Iterator[Placement]:
+    if config.federation == "remote":
+        yield Placement(parse_address(config.server)[0], (), (), "remote")
+        return
     links = links_for(config)
     if links is None:
         yield Placement("127.0.0.1", (), ((),) * config.clients, "loopback")
         return
     with Testbed(links, tag=f"{os.getpid() % 100000}") as bed:
         prefixes = tuple(tuple(bed.netns_argv(ns, [])) for ns in bed.client_ns)
-        yield Placement(bed.server_ip, tuple(bed.netns_argv(bed.server_ns, [])), prefixes, bed.backend)
+        yield Placement(bed.server_ip, tuple(bed.netns_argv(bed.server_ns, [])), prefixes, bed.backend, bed)
 
 
-def prepare_run_dir(config: RunConfig) -> Path:
+def prepare_run_dir(config: RunConfig, resume: bool = False) -> Path:
+    """A fresh run starts from an empty folder; a resumed one needs its checkpoint (the server continues from it)."""
     run_dir = Path(config.out).resolve()
+    if resume:
+        if not (run_dir / CHECKPOINT).exists():
+            raise LaunchError(f"nothing to resume: {run_dir} has no {CHECKPOINT} (no round was finished)")
+        if (run_dir / SUMMARY).exists():
+            raise LaunchError(f"nothing to resume: the run in {run_dir} has finished")
+        (run_dir / SERVER_ERROR).unlink(missing_ok=True)
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in (ROUNDS, SUMMARY, SERVER_ERROR, CHECKPOINT, GLOBAL_ONNX):
         (run_dir / name).unlink(missing_ok=True)
@@ -123,6 +142,113 @@ def _bin(name: str) -> str:
     return str(local) if local.exists() else name
 
 
+def app_for(config: RunConfig) -> str:
+    """The key in APPS of the apps that run ``config``."""
+    return "flower" if config.strategy == "flower-fedavg" else "edgefl"
+
+
+def superlink_argv(host: str, port: int, certs: ServerCerts | None, node_auth: bool = False) -> list[str]:
+    """Flower's SuperLink serving every API on HOST:PORT: TLS with ``certs``, plain text without; with
+    ``node_auth`` only SuperNodes whose public keys were registered (``flwr supernode register``) may join."""
+    tls = ["--insecure"]
+    if certs:
+        tls = ["--ssl-ca-certfile", str(certs.ca), "--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key)]
+    auth = ["--enable-supernode-auth"] if node_auth else []
+    return [_bin("flower-superlink"), *tls, *auth,
+            "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]  # fmt: skip
+
+
+def supernode_argv(address: str, root_cert: Path | None, node_config: str, auth_key: Path | None = None) -> list[str]:
+    """Flower's SuperNode for the SuperLink at ``address``, verifying its certificate with ``root_cert`` (plain
+    text without), authenticated with the private key ``auth_key`` if given. It retries a lost SuperLink
+    without limit (no --max-retries, no --max-wait-time)."""
+    tls = ["--root-certificates", str(root_cert)] if root_cert else ["--insecure"]
+    auth = ["--auth-supernode-private-key", str(auth_key)] if auth_key else []
+    return [_bin("flower-supernode"), *tls, *auth, "--superlink", address,
+            "--port", str(free_port()), "--node-config", node_config]  # fmt: skip
+
+
+def wait_for_superlink(procs: ProcessGroup) -> None:
+    log = procs.log_dir / "superlink.log"
+    procs.wait_until("the SuperLink", lambda: "Uvicorn running on" in tail(log, 50), STARTUP_TIMEOUT_S)
+
+
+def reach_superlink(address: str, root_cert: Path | None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Return once a TCP connection to the SuperLink opens (retried for ``timeout_s``) and, with ``root_cert``,
+    its TLS certificate verifies against that CA for the host dialled; else raise LaunchError with the reason."""
+    host, port = parse_address(address)
+    context = None
+    if root_cert:
+        try:
+            context = ssl.create_default_context(cafile=str(root_cert))
+        except (OSError, ssl.SSLError) as exc:
+            raise LaunchError(f"cannot use {root_cert} as root certificate: {exc.strerror or exc}") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5.0) as sock:
+                if context:
+                    context.wrap_socket(sock, server_hostname=host).close()
+            return
+        except ssl.SSLCertVerificationError as exc:
+            raise LaunchError(
+                f"the SuperLink at {address} presents a certificate that {root_cert} does not verify "
+                f"({exc.verify_message}): wrong --root-cert, or a host name the certificate does not list"
+            ) from None
+        except ssl.SSLError as exc:
+            raise LaunchError(f"no TLS with {address} ({exc.reason}): if it runs --insecure, use --insecure") from None
+        except socket.gaierror:
+            raise LaunchError(f"cannot resolve the host name {host!r} of the SuperLink") from None
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                reason = exc.strerror or str(exc) or type(exc).__name__
+                raise LaunchError(f"cannot reach the SuperLink at {address} in {timeout_s:.0f} s ({reason})") from None
+            time.sleep(1.0)
+
+
+def write_flwr_home(flwr_home: Path, address: str, root_cert: Path | None) -> None:
+    """``$FLWR_HOME/config.toml`` naming the SuperLink at ``address`` as federation FEDERATION for ``flwr``."""
+    tls: dict[str, str | bool] = {"root-certificates": str(root_cert.resolve())} if root_cert else {"insecure": True}
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    (flwr_home / "config.toml").write_text(tomli_w.dumps({"superlink": {FEDERATION: {"address": address, **tls}}}))
+
+
+def run_flwr(args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()) -> dict:
+    """``flwr ARGS --format json`` against federation FEDERATION of ``env``'s FLWR_HOME; its JSON answer."""
+    try:
+        done = subprocess.run(
+            [*prefix, _bin("flwr"), *args, "--format", "json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=SUBMIT_TIMEOUT_S,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"flwr {args[0]} did not return within {SUBMIT_TIMEOUT_S:.0f} s") from None
+    try:
+        result = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        result = {}
+    if done.returncode != 0 or not result.get("success"):
+        detail = result.get("error-message") or (done.stderr or done.stdout).strip().splitlines()[-1:]
+        raise LaunchError(f"flwr {args[0]} failed: {detail}")
+    return result
+
+
+def submit(
+    run_dir: Path, app: str, address: str, root_cert: Path | None, env: dict[str, str], prefix: tuple[str, ...] = ()
+) -> str:
+    """``flwr run`` of the app ``app`` (a key of APPS) on the SuperLink at ``address``; returns Flower's run id."""
+    app_dir = run_dir / ".app"
+    app_dir.mkdir(exist_ok=True)
+    serverapp, clientapp = APPS[app]
+    (app_dir / "pyproject.toml").write_text(APP_TOML.format(serverapp=serverapp, clientapp=clientapp))
+    write_flwr_home(Path(env["FLWR_HOME"]), address, root_cert)
+    result = run_flwr(["run", str(app_dir), FEDERATION, "--run-config", f"run-dir='{run_dir}'"], env, prefix)
+    return str(result["run-id"])
+
+
 class LocalFederation:
     """SuperLink, agents and SuperNodes for one run, inside ``procs``."""
 
@@ -134,7 +260,8 @@ class LocalFederation:
         self.place = place
         self.procs = procs
         self.caps = caps
-        self.app = "flower" if config.strategy == "flower-fedavg" else "edgefl"
+        self.app = app_for(config)
+        self.certs: ServerCerts | None = None  # TLS on a non-loopback SuperLink address
 
     def superlink_port(self) -> int:
         if self.config.port:
@@ -148,24 +275,19 @@ class LocalFederation:
         port = self.superlink_port()
         address = f"{self.place.server_host}:{port}"
         sockets = self._start_agents() if self.app == "edgefl" else [""] * self.config.clients
-        superlink = [
-            _bin("flower-superlink"), "--insecure", "--host", self.place.server_host, "--port", str(port),
-            "--disable-runtime-dependency-installation",
-        ]  # fmt: skip
+        if self.place.backend != "loopback":
+            self.certs = make_server_certs(self.run_dir / ".certs", [self.place.server_host])
+        superlink = superlink_argv(self.place.server_host, port, self.certs)
         self.procs.start("superlink", [*self.place.server_prefix, *superlink])
-        log = self.procs.log_dir / "superlink.log"
-        self.procs.wait_until("the SuperLink", lambda: "Uvicorn running on" in tail(log, 50), STARTUP_TIMEOUT_S)
+        wait_for_superlink(self.procs)
         for sock in sockets:
             if sock:
-                self.procs.wait_until(f"edge agent {sock}", lambda s=sock: _agent_ready(s), STARTUP_TIMEOUT_S)
+                self.procs.wait_until(f"edge agent {sock}", lambda s=sock: agent_ready(s), STARTUP_TIMEOUT_S)
         for i, (prefix, sock) in enumerate(zip(self.place.client_prefixes, sockets, strict=True)):
             node_config = f"partition-id={i} num-partitions={self.config.clients}"
             if sock:
                 node_config += f' agent="{sock}"'
-            supernode = [
-                _bin("flower-supernode"), "--insecure", "--superlink", address,
-                "--port", str(free_port()), "--node-config", node_config,
-            ]  # fmt: skip
+            supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config)
             self.procs.start(f"supernode-{i}", [*prefix, *supernode])
         return address
 
@@ -186,47 +308,20 @@ class LocalFederation:
         return sockets
 
     def submit(self, address: str) -> str:
-        """``flwr run`` against our SuperLink; returns Flower's run id."""
-        app_dir = self.run_dir / ".app"
-        app_dir.mkdir(exist_ok=True)
-        serverapp, clientapp = APPS[self.app]
-        (app_dir / "pyproject.toml").write_text(APP_TOML.format(serverapp=serverapp, clientapp=clientapp))
-        flwr_home = self.run_dir / ".flwr"
-        flwr_home.mkdir(exist_ok=True)
-        (flwr_home / "config.toml").write_text(f'[superlink.{FEDERATION}]\naddress = "{address}"\ninsecure = true\n')
-        argv = [
-            *self.place.server_prefix,
-            _bin("flwr"),
-            "run",
-            str(app_dir),
-            FEDERATION,
-            "--format",
-            "json",
-            "--run-config",
-            f"run-dir='{self.run_dir}'",
-        ]
-        try:
-            done = subprocess.run(
-                argv,
-                capture_output=True,
-                text=True,
-                env=self.procs.env,
-                timeout=SUBMIT_TIMEOUT_S,
-                start_new_session=True,
-            )
-        except subprocess.TimeoutExpired:
-            raise LaunchError(f"flwr run did not return within {SUBMIT_TIMEOUT_S:.0f} s") from None
-        try:
-            result = json.loads(done.stdout)
-        except json.JSONDecodeError:
-            result = {}
-        if done.returncode != 0 or not result.get("success"):
-            detail = result.get("error-message") or (done.stderr or done.stdout).strip().splitlines()[-1:]
-            raise LaunchError(f"flwr run failed: {detail}")
-        return str(result["run-id"])
+        """``flwr run`` against our SuperLink (from the server's namespace); returns Flower's run id."""
+        root_cert = self.certs.ca if self.certs else None
+        return submit(self.run_dir, self.app, address, root_cert, self.procs.env, self.place.server_prefix)
 
 
-def _agent_ready(sock: str) -> bool:
+def submit_remote(config: RunConfig, run_dir: Path, env: dict[str, str]) -> str:
+    """Submit ``config`` to the running SuperLink at ``config.server`` once it is reachable with the configured TLS
+    (its ServerApp waits for ``config.clients`` SuperNodes to join); returns Flower's run id."""
+    root_cert = Path(config.root_cert).resolve() if config.root_cert else None
+    reach_superlink(config.server, root_cert)
+    return submit(run_dir, app_for(config), config.server, root_cert, env)
+
+
+def agent_ready(sock: str) -> bool:
     try:
         return "pong" in call_agent(sock, {"op": "ping"}, b"", timeout_s=2.0)[0]
     except OSError:
@@ -241,8 +336,15 @@ def _progress_line(row: dict, rounds: int) -> str:
     )
 
 
+def _check_server_alive(procs: ProcessGroup) -> None:
+    """A client's agent or SuperNode may die (and come back): the run goes on with the others. The SuperLink may not."""
+    for name, proc in procs.procs:
+        if not name.startswith(CLIENT_PROCESSES) and proc.poll() is not None:
+            raise LaunchError(f"{name} exited with code {proc.returncode}; see {procs.log_dir / name}.log")
+
+
 def follow(config: RunConfig, run_dir: Path, procs: ProcessGroup, progress: Callable[[str], None]) -> None:
-    """Stream rounds.jsonl until summary.json appears; fail on a server error, a dead process or a stall."""
+    """Stream rounds.jsonl until summary.json appears; fail on a server error, a dead SuperLink or a stall."""
     stall_s = max(600.0, 3 * config.round_deadline_s)
     shown, last_change = 0, time.monotonic()
     while not (run_dir / SUMMARY).exists():
@@ -253,7 +355,7 @@ def follow(config: RunConfig, run_dir: Path, procs: ProcessGroup, progress: Call
             progress(_progress_line(row, config.rounds))
             last_change = time.monotonic()
         shown = len(rows)
-        procs.check_alive()
+        _check_server_alive(procs)
         if time.monotonic() - last_change > stall_s:
             raise LaunchError(f"no round finished for {stall_s:.0f} s; see {run_dir / 'server.log'}")
         time.sleep(0.2)
@@ -261,21 +363,32 @@ def follow(config: RunConfig, run_dir: Path, procs: ProcessGroup, progress: Call
         progress(_progress_line(row, config.rounds))
 
 
-def run(config: RunConfig, progress: Callable[[str], None] = print) -> Path:
-    """Run one configuration end to end; returns the run folder."""
-    run_dir = prepare_run_dir(config)
+def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool = False) -> Path:
+    """Run one configuration end to end (``resume``: on from the run folder's checkpoint); returns the folder."""
+    run_dir = prepare_run_dir(config, resume)
     logs = run_dir / "logs"
-    shutil.rmtree(logs, ignore_errors=True)
+    if not resume:
+        shutil.rmtree(logs, ignore_errors=True)
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)
         save_config(config, run_dir / "config.toml")
         with contextlib.ExitStack() as caps, ProcessGroup(logs, _flower_env(run_dir)) as procs:
-            federation = LocalFederation(config, run_dir, place, procs, caps)
-            address = federation.start()
-            run_id = federation.submit(address)
+            if config.federation == "remote":
+                run_id = submit_remote(config, run_dir, procs.env)
+                where = f"the SuperLink at {config.server}"
+            else:
+                federation = LocalFederation(config, run_dir, place, procs, caps)
+                run_id = federation.submit(federation.start())
+                where = f"link {config.profile} [{place.backend}]"
             progress(
                 f"run {run_id}: {config.strategy} on {config.dataset} ({config.partition}), "
-                f"{config.clients} clients, link {config.profile} [{place.backend}]"
+                f"{config.clients} clients, {where}"
             )
-            follow(config, run_dir, procs, progress)
+            try:
+                follow(config, run_dir, procs, progress)
+            except BaseException:
+                if config.federation == "remote":  # that SuperLink outlives us: end the run there too
+                    with contextlib.suppress(LaunchError):
+                        run_flwr(["stop", run_id, FEDERATION], procs.env)
+                raise
     return run_dir

@@ -12,8 +12,18 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 GRACE_S = 5.0
+
+
+def _raise_interrupt(*_: object) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so every ``with ProcessGroup``/``Testbed`` block stops what it started."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 class LaunchError(RuntimeError):

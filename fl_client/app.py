@@ -25,9 +25,11 @@ def train(msg: Message, context: Context) -> Message:
         "job": instr.job,
         "next-round": instr.next_round,
         "last-round": instr.last_round,
-        "global-round": instr.global_round,
+        "global-round": -1 if instr.broadcast is None else instr.broadcast.round,
     }
-    blob = instr.global_params.tobytes() if instr.global_params is not None else b""
+    blob = b""
+    if instr.broadcast is not None:
+        header["broadcast"], blob = instr.broadcast.header(), instr.broadcast.blob()
     reply, updates_blob = call_agent(str(context.node_config["agent"]), header, blob, AGENT_TIMEOUT_S)
     if "error" in reply:
         raise RuntimeError(f"edge agent: {reply['error']}")

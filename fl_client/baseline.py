@@ -16,7 +16,7 @@ def train(msg: Message, context: Context) -> Message:
 
     from edge.data import load_dataset, partition_indices
     from edge.models import build_model
-    from edge.trainer import LocalTrainer
+    from edge.trainer import LocalTrainer, scheduled_lr
 
     torch.set_num_threads(1)
     job = msg.content["config"]
@@ -30,7 +30,7 @@ def train(msg: Message, context: Context) -> Message:
         dataset.x_train[idx],
         dataset.y_train[idx],
         int(job["batch-size"]),
-        float(job["lr"]),
+        scheduled_lr(float(job["lr"]), str(job["lr-schedule"]), int(job["server-round"]), int(job["rounds"])),
         float(job["momentum"]),
         seed=int(job["seed"]) * 1000 + pid + 7919 * int(job["server-round"]),
     )

@@ -1,9 +1,12 @@
 """How edgefl lays out its Flower messages; the server glue and the ClientApp both use this.
 
-Down (server → client, type ``train``): ConfigRecord ``edgefl`` with the job and the rounds to train, and — only
-when the client does not have it yet — the global model as ONE flat float32 Array (one HTTP request, not one
-per tensor). Up (reply): ConfigRecord ``edgefl`` describing each update, and ALL updates concatenated into ONE
-Array whose stype is ``edgefl.bundle``; each update keeps its codec's own wire type in the record."""
+Both directions carry their encoded parts concatenated into ONE Array whose stype is ``edgefl.bundle`` (one HTTP
+request, not one per tensor or part); the ConfigRecord ``edgefl`` describes each part (round, codec wire type,
+size) and the parts' sizes must add up to the bundle exactly.
+
+Down (server → client, type ``train``): the job and the rounds to train, and — only when the client does not
+have it yet — the global model as a ``strategies.downlink.Broadcast``: the model dense, or the compressed deltas
+from the model the client holds. Up (reply): every update the client has ready, with its examples, time, loss."""
 
 from __future__ import annotations
 
@@ -11,15 +14,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+from strategies.downlink import Broadcast
 
 CONFIG = "edgefl"
 ARRAYS = "arrays"
 GLOBAL = "global"
 UPDATES = "updates"
-GLOBAL_STYPE = "edgefl.float32"
 BUNDLE_STYPE = "edgefl.bundle"
 
 
@@ -30,8 +33,7 @@ class TrainInstruction:
     job: dict[str, Any]
     next_round: int
     last_round: int
-    global_round: int  # −1 when no model is attached
-    global_params: np.ndarray | None
+    broadcast: Broadcast | None  # None when the client already holds the newest global model
 
 
 @dataclass(frozen=True)
@@ -67,31 +69,26 @@ def instruction_content(instr: TrainInstruction) -> RecordDict:
             "job": json.dumps(instr.job, sort_keys=True),
             "next-round": instr.next_round,
             "last-round": instr.last_round,
-            "global-round": instr.global_round,
         }
     )
     content = RecordDict({CONFIG: config})
-    if instr.global_params is not None:
-        params = np.ascontiguousarray(instr.global_params, dtype=np.float32)
-        array = Array(dtype="float32", shape=(params.size,), stype=GLOBAL_STYPE, data=params.tobytes())
-        content[ARRAYS] = ArrayRecord({GLOBAL: array})
+    if instr.broadcast is not None:
+        config.update(instr.broadcast.header())
+        content[ARRAYS] = ArrayRecord({GLOBAL: _bundle(instr.broadcast.blob())})
     return content
 
 
 def parse_instruction(content: RecordDict) -> TrainInstruction:
+    """Raises ValueError (or KeyError/TypeError) on anything malformed."""
     config = content[CONFIG]
-    params = None
-    if ARRAYS in content.array_records:
-        array = content.array_records[ARRAYS][GLOBAL]
-        if array.stype != GLOBAL_STYPE:
-            raise ValueError(f"unexpected global-model stype {array.stype!r}")
-        params = np.frombuffer(array.data, dtype=np.float32)
+    broadcast = None
+    if ARRAYS in content.array_records or "base-round" in config:
+        broadcast = Broadcast.parse(config, _unbundle(content, GLOBAL))
     return TrainInstruction(
         job=json.loads(str(config["job"])),
         next_round=int(config["next-round"]),
         last_round=int(config["last-round"]),
-        global_round=int(config["global-round"]),
-        global_params=params,
+        broadcast=broadcast,
     )
 
 
@@ -111,8 +108,7 @@ def reply_content(reply: TrainReply) -> RecordDict:
     )
     content = RecordDict({CONFIG: config})
     if meta:
-        array = Array(dtype="uint8", shape=(len(reply.blob),), stype=BUNDLE_STYPE, data=reply.blob)
-        content[ARRAYS] = ArrayRecord({UPDATES: array})
+        content[ARRAYS] = ArrayRecord({UPDATES: _bundle(reply.blob)})
     return content
 
 
@@ -126,15 +122,23 @@ def parse_reply(content: RecordDict) -> TrainReply:
         UpdateMeta(int(r), str(s), int(z), int(n), float(t), float(lo))
         for r, s, z, n, t, lo in zip(*columns, strict=True)
     ]
-    blob = b""
-    if updates:
-        array = content.array_records[ARRAYS][UPDATES]
-        if array.stype != BUNDLE_STYPE:
-            raise ValueError(f"unexpected update bundle stype {array.stype!r}")
-        blob = bytes(array.data)
+    blob = _unbundle(content, UPDATES) if updates else b""
     if any(m.size < 0 for m in updates) or sum(m.size for m in updates) != len(blob):
         raise ValueError("update sizes do not add up to the bundle length")
     return TrainReply(int(config["partition-id"]), updates, blob, json.loads(str(config["health"])))
+
+
+def _bundle(blob: bytes) -> Array:
+    """Concatenated parts as one uint8 Array."""
+    return Array(dtype="uint8", shape=(len(blob),), stype=BUNDLE_STYPE, data=blob)
+
+
+def _unbundle(content: RecordDict, key: str) -> bytes:
+    """The bytes of the bundle Array ``key``; raises KeyError when absent, ValueError for another stype."""
+    array = content.array_records[ARRAYS][key]
+    if array.stype != BUNDLE_STYPE:
+        raise ValueError(f"unexpected bundle stype {array.stype!r}")
+    return bytes(array.data)
 
 
 def wire_bytes(message: Message) -> int:

@@ -2,8 +2,17 @@
 ``push_messages``/``pull_messages`` with a short poll — not ``send_and_receive``, which sleeps 3 s between
 pulls and allows one message per node at a time.
 
-Closed rounds are checkpointed at once and evaluated on the held-out test split in a worker thread, so the
-loop never waits on evaluation before sending the next round."""
+Closed rounds are evaluated on the held-out test split in a worker thread, which appends the round's row and then
+checkpoints it, so the loop never waits on evaluation before sending the next round.
+
+Clients come and go: the node set is re-read every ``NODE_REFRESH_S``; a node that vanished is retired (its
+messages in flight are dropped) and a new one — a restarted SuperNode gets a new node id — is a fresh client,
+sent the newest global model, so its agent starts a fresh session (model, DGA state, codec memory) from it.
+
+Resume: a run folder that holds a checkpoint continues from it (``edgefl run --resume``): global model, round,
+wall clock and the norm history of update validation; rows after the checkpoint's round are dropped. DGA's
+server state is just the round and the global model; the clients restart from that model, so the rounds they
+had trained or sent after the checkpoint are trained again — none is lost and none is applied twice."""
 
 from __future__ import annotations
 
@@ -26,13 +35,27 @@ from edge.onnx import export_onnx
 from edge.trainer import evaluate
 from edgefl.config import RunConfig, client_job
 from fl_client.wire import TrainInstruction, instruction_content, parse_reply, wire_bytes
-from fl_server.results import GLOBAL_ONNX, append_round, read_rounds, save_checkpoint, summarize, write_summary
+from fl_server.results import (
+    GLOBAL_ONNX,
+    Checkpoint,
+    append_round,
+    read_checkpoint,
+    read_rounds,
+    save_checkpoint,
+    summarize,
+    truncate_rounds,
+    write_summary,
+)
+from fl_server.robust import make_aggregator
+from strategies.downlink import BroadcastEncoder
 from strategies.rounds import ClosedRound, Contribution, Rejection, Request, RoundEngine
+from strategies.validation import NormOutlierFilter
 
 log = logging.getLogger("edgefl.server")
 
 POLL_S = 0.02
 NODE_WAIT_S = 180.0
+NODE_REFRESH_S = 1.0
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> list[int]:
@@ -44,24 +67,36 @@ def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> li
     return nodes[:count]
 
 
+def evaluation_sample(x: np.ndarray, y: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed random sample of ``count`` test examples (all of them for 0): the same for every run with the
+    same seed, so runs compared side by side are evaluated on identical examples."""
+    if count <= 0 or count >= len(y):
+        return x, y
+    idx = np.sort(np.random.default_rng(seed).choice(len(y), size=count, replace=False))
+    return x[idx], y[idx]
+
+
 class Evaluator:
-    """Evaluates the global model of each closed round on the test split and appends its rounds.jsonl row."""
+    """Evaluates the global model of each closed round on the test split, appends its rounds.jsonl row, then
+    writes its checkpoint (so rows never lag behind the checkpoint)."""
 
     def __init__(self, config: RunConfig, run_dir: Path) -> None:
         self.dataset = load_dataset(config.dataset, config.data_dir or None)
-        self.x, self.y = self.dataset.x_test, self.dataset.y_test
+        test = self.dataset.x_test, self.dataset.y_test
+        self.x, self.y = evaluation_sample(*test, config.eval_examples, config.seed)
         self.model = build_model(self.dataset, config.seed)
         self.run_dir = run_dir
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluate")
 
-    def submit(self, params: np.ndarray, row: dict[str, Any]) -> None:
-        self._pool.submit(self._evaluate, params, row)
+    def submit(self, row: dict[str, Any], checkpoint: Checkpoint) -> None:
+        self._pool.submit(self._evaluate, row, checkpoint)
 
-    def _evaluate(self, params: np.ndarray, row: dict[str, Any]) -> None:
-        set_flat_params(self.model, params)
+    def _evaluate(self, row: dict[str, Any], c: Checkpoint) -> None:
+        set_flat_params(self.model, c.params)
         loss, accuracy = evaluate(self.model, self.x, self.y)
         row = {**row, "test_loss": loss, "test_accuracy": accuracy}
         append_round(self.run_dir, row)
+        save_checkpoint(self.run_dir, c.round, c.params, c.wall_s, c.recent_norms)
         log.info("round %d  accuracy %.4f  loss %.4f  wall %.1f s", row["round"], accuracy, loss, row["wall_s"])
 
     def close(self) -> None:
@@ -99,29 +134,47 @@ class ServerLoop:
         self.job = client_job(config)
         self.evaluator = Evaluator(config, run_dir)
         model = self.evaluator.model
+        start = read_checkpoint(run_dir) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0))
+        truncate_rounds(run_dir, start.round)
+        self.validator = NormOutlierFilter(norms=start.recent_norms)
         self.engine = RoundEngine(
-            get_flat_params(model),
+            start.params,
             param_layout(model),
             rounds=config.rounds,
             num_clients=config.clients,
             delay=config.strategy_spec.delay,
             quorum=config.quorum,
             deadline_s=config.round_deadline_s,
+            start_round=start.round,
+            aggregator=make_aggregator(config.aggregate),
+            validator=self.validator,
+        )
+        self.wall_offset_s = start.wall_s
+        self.broadcaster = BroadcastEncoder(  # --compress-down: clients are sent x̂, see strategies.downlink
+            config.compress_down, self.engine.global_params, self.engine.layout, config.seed, self.engine.aggregated
         )
         self.traffic = Traffic()
         self.outstanding: dict[str, int] = {}
+        self.nodes: set[int] = set()
         self.partition_of: dict[int, int] = {}
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
         self.t0 = 0.0
 
     def run(self) -> None:
-        nodes = wait_for_nodes(self.grid, self.config.clients)
-        log.info("%d SuperNodes connected; %s for %d rounds", len(nodes), self.config.strategy, self.config.rounds)
-        self.t0 = time.monotonic()
-        self.engine.start_clock(self.t0)
+        self.nodes = set(wait_for_nodes(self.grid, self.config.clients))
+        log.info(
+            "%d SuperNodes connected; %s for rounds %d..%d",
+            len(self.nodes), self.config.strategy, self.engine.aggregated + 1, self.config.rounds,
+        )  # fmt: skip
+        self.t0 = time.monotonic() - self.wall_offset_s
+        self.engine.start_clock(time.monotonic())
+        refreshed = time.monotonic()
         try:
             while not self.engine.done:
-                busy = self._push(nodes)
+                if time.monotonic() - refreshed >= NODE_REFRESH_S:
+                    self._refresh_nodes()
+                    refreshed = time.monotonic()
+                busy = self._push()
                 busy |= self._pull()
                 self._close_rounds()
                 if not busy:
@@ -132,18 +185,26 @@ class ServerLoop:
         write_summary(self.run_dir, summarize(dataclasses.asdict(self.config), read_rounds(self.run_dir)))
 
     def _message(self, node: int, request: Request) -> Message:
-        instr = TrainInstruction(
-            self.job,
-            request.next_round,
-            request.last_round,
-            -1 if request.global_round is None else request.global_round,
-            request.global_params,
-        )
+        broadcast = None
+        if request.global_round is not None:
+            broadcast = self.broadcaster.broadcast(request.global_round, request.global_params, request.held_round)
+        instr = TrainInstruction(self.job, request.next_round, request.last_round, broadcast)
         return Message(instruction_content(instr), dst_node_id=node, message_type="train")
 
-    def _push(self, nodes: list[int]) -> bool:
+    def _refresh_nodes(self) -> None:
+        """Retire the nodes that left (their messages in flight are dropped, never counted); take in new ones."""
+        current = set(self.grid.get_node_ids())
+        for node in self.nodes - current:
+            log.warning("node %d left; its messages in flight are abandoned", node)
+            self.engine.retire(node)
+            self.outstanding = {msg_id: n for msg_id, n in self.outstanding.items() if n != node}
+        for node in current - self.nodes:
+            log.info("node %d joined; it starts from the global model of round %d", node, self.engine.aggregated)
+        self.nodes = current
+
+    def _push(self) -> bool:
         messages = []
-        for node in nodes:
+        for node in sorted(self.nodes):
             while (request := self.engine.next_request(node)) is not None:
                 messages.append(self._message(node, request))
         if not messages:
@@ -167,16 +228,17 @@ class ServerLoop:
         return bool(replies)
 
     def _receive(self, node: int, reply: Message) -> None:
+        partition = self.partition_of.get(node, -1)  # rejections name partitions (−1: not known yet)
         if reply.has_error():
-            self.engine.receive(node, [])
-            self.traffic.rejected.append(Rejection(node, -1, f"client error: {reply.error.reason}"))
+            self.engine.fail(node)
+            self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reply.error.reason}"))
             log.warning("node %d replied with an error: %s", node, reply.error.reason)
             return
         try:
             parsed = parse_reply(reply.content)
         except (KeyError, TypeError, ValueError) as exc:
             self.engine.receive(node, [])
-            self.traffic.rejected.append(Rejection(node, -1, f"malformed reply: {exc}"))
+            self.traffic.rejected.append(Rejection(partition, -1, f"malformed reply: {exc}"))
             return
         self.partition_of[node] = parsed.partition_id
         self.health[parsed.partition_id] = parsed.health
@@ -184,21 +246,22 @@ class ServerLoop:
             Contribution(m.round, m.num_examples, m.stype, payload, m.train_s, m.loss)
             for m, payload in zip(parsed.updates, parsed.payloads(), strict=True)
         ]
-        for rejection in self.engine.receive(node, contributions):
+        for rejection in self.engine.receive(node, contributions, parsed.partition_id):
             log.warning("refused round %d from node %d: %s", rejection.round, node, rejection.reason)
             self.traffic.rejected.append(rejection)
 
     def _close_rounds(self) -> None:
         now = time.monotonic()
         for closed in self.engine.close_rounds(now):
-            save_checkpoint(self.run_dir, closed.round, closed.global_params)
-            self.evaluator.submit(closed.global_params, self._row(closed, now))
+            wall_s = now - self.t0
+            checkpoint = Checkpoint(closed.round, closed.global_params, wall_s, np.array(self.validator.norms))
+            self.evaluator.submit(self._row(closed, wall_s), checkpoint)
 
-    def _row(self, closed: ClosedRound, now: float) -> dict[str, Any]:
+    def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:
         return {
             "round": closed.round,
-            "wall_s": now - self.t0,
-            "clients": sorted(self.partition_of.get(n, -1) for n in closed.clients),
+            "wall_s": wall_s,
+            "clients": sorted(closed.clients),
             "closed_by": closed.closed_by,
             "client_train_s": float(np.mean(closed.train_s)),
             "train_loss": float(np.mean([x for x in closed.losses if math.isfinite(x)] or [math.nan])),

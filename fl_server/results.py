@@ -1,12 +1,17 @@
 """The files a run leaves in ``runs/NAME/``: ``rounds.jsonl`` (one object per closed round),
-``summary.json``, ``checkpoint.npz`` (the global model after the newest round), ``global.onnx`` (the final
-model) and ``server_error.txt`` when the server failed."""
+``summary.json``, ``checkpoint.npz`` (what ``edgefl run --resume`` continues from), ``global.onnx`` (the final
+model) and ``server_error.txt`` when the server failed.
+
+A round's row is appended before its checkpoint is written, so after a crash rounds.jsonl may run ahead of the
+checkpoint (never behind); a resumed run first cuts it back to the checkpoint's round."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +36,60 @@ def read_rounds(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def save_checkpoint(run_dir: Path, round_: int, params: np.ndarray) -> None:
+def truncate_rounds(run_dir: Path, last_round: int) -> None:
+    """Keep the rows of rounds 1..``last_round`` (and drop a line a crash cut short); atomic like checkpoints."""
+    path = run_dir / ROUNDS
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row["round"] <= last_round:
+            kept.append(line + "\n")
+    tmp = run_dir / (ROUNDS + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The server's state after a closed round: all a resumed run needs. DGA's server side is just the round
+    counter and the global model; the clients restart from that global model (see ``fl_server.engine``)."""
+
+    round: int
+    params: np.ndarray  # the global model after ``round``
+    wall_s: float  # the run's wall clock when the round closed
+    recent_norms: np.ndarray  # the update-norm history of ``strategies.validation.NormOutlierFilter``
+
+
+def save_checkpoint(
+    run_dir: Path, round_: int, params: np.ndarray, wall_s: float = 0.0, recent_norms: Sequence[float] = ()
+) -> None:
     """Written to a temporary file and renamed, so a crash never leaves half a checkpoint."""
     tmp = run_dir / (CHECKPOINT + ".tmp.npz")
-    np.savez(tmp, params=params, round=np.int64(round_))
+    norms = np.asarray(recent_norms, dtype=np.float64)
+    np.savez(tmp, round=np.int64(round_), params=params, wall_s=np.float64(wall_s), recent_norms=norms)
     os.replace(tmp, run_dir / CHECKPOINT)
 
 
+def read_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The run's checkpoint, or None when it has none."""
+    path = run_dir / CHECKPOINT
+    if not path.exists():
+        return None
+    with np.load(path) as data:
+        return Checkpoint(int(data["round"]), data["params"], float(data["wall_s"]), data["recent_norms"])
+
+
 def load_checkpoint(run_dir: Path) -> tuple[int, np.ndarray]:
-    with np.load(run_dir / CHECKPOINT) as data:
-        return int(data["round"]), data["params"]
+    """(round, global model) of the run's checkpoint, for tools that need only the model."""
+    checkpoint = read_checkpoint(run_dir)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run_dir / CHECKPOINT} does not exist")
+    return checkpoint.round, checkpoint.params
 
 
 def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -14,6 +14,10 @@ Backends, chosen per testbed:
   (up on its egress, down on its ingress through an ifb), again with :func:`netem.tc.apply`.
 - ``none``: every link is an unshaped veth pair (all links ``lan``).
 
+Faults: :meth:`Testbed.set_link_up` takes a client's link down and up (both ends, like a pulled cable), on any
+backend; :meth:`Testbed.loss_burst` and :meth:`Testbed.stall` drop a fraction of a link's packets, or hold them
+all, for some seconds — done by the user-space forwarder, so only with ``tbf+tun``.
+
 Measured with ``tbf+tun`` on a 2-core CI VM (UDP echo p50, TCP goodput): long-distance 300.0-300.3 ms for
 300; home-wifi 2.03-2.08 ms for 2, goodput 14.2-14.4 of 15 and 28.9-29.4 of 30 Mbit/s (TCP/IP headers are
 ~3.5%); an unshaped link adds ~0.2 ms round trip to a veth pair's 0.06 ms and tops out at ~550 Mbit/s.
@@ -175,6 +179,44 @@ class Testbed:
             ip.link("set", index=index, state="up")
             ip.addr("add", index=index, address=client_end, prefixlen=30)
             ip.route("add", dst="0.0.0.0/0", gateway=server_end)
+
+    def set_link_up(self, i: int, up: bool) -> None:
+        """Take client ``i``'s link down at both ends, or bring it back up with the client's default route
+        (the kernel drops routes through a device that goes down)."""
+        self._check_client(i)
+        server_end, _ = _link_ips(i)
+        state = "up" if up else "down"
+        with IPRoute(netns=self.server_ns) as ip:
+            ip.link("set", index=ip.link_lookup(ifname=f"efl-c{i}")[0], state=state)
+        with IPRoute(netns=self.client_ns[i]) as ip:
+            ip.link("set", index=ip.link_lookup(ifname=CLIENT_DEVICE)[0], state=state)
+            if up:
+                ip.route("replace", dst="0.0.0.0/0", gateway=server_end)
+
+    def loss_burst(self, i: int, loss_pct: float, seconds: float) -> None:
+        """For the next ``seconds``, client ``i``'s link drops ``loss_pct`` % of the packets both ways, on top of
+        its profile's loss. Returns once the forwarder applies it."""
+        self._inject(i, f"loss {loss_pct:g} {seconds:g}")
+
+    def stall(self, i: int, seconds: float) -> None:
+        """For the next ``seconds``, client ``i``'s link delivers nothing; what it holds goes out afterwards."""
+        self._inject(i, f"stall {seconds:g}")
+
+    def _check_client(self, i: int) -> None:
+        if not 0 <= i < len(self.client_ns):
+            raise LinkError(f"no client {i} on this testbed (clients 0..{len(self.client_ns) - 1})")
+
+    def _inject(self, i: int, command: str) -> None:
+        """Send a fault command to client ``i``'s forwarder (see :mod:`netem.tunlink`) and wait for its answer."""
+        self._check_client(i)
+        if self.backend != "tbf+tun":
+            raise LinkError(f"loss bursts and stalls need the tbf+tun backend; this testbed uses {self.backend}")
+        forwarder = self.forwarders[i]
+        forwarder.stdin.write(command.encode() + b"\n")
+        forwarder.stdin.flush()
+        answer = _first_line(forwarder.stdout.fileno(), READY_TIMEOUT_S).decode().strip()
+        if answer != "ok":
+            raise LinkError(f"the link forwarder for client {i} refused {command!r}: {answer or 'no answer'}")
 
     def _start_forwarder(self, i: int, link: Link) -> None:
         """Start client ``i``'s tunlink process and wait for its ``ready`` line (it has made both TUNs)."""

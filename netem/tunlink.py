@@ -6,6 +6,12 @@ delay, jitter and loss one way and the down profile's the other way. The TUN dev
 process runs; it exits when its stdin closes (so it dies with the testbed) or on SIGTERM. Rate limits are not
 done here but by the kernel (tbf on the client's TUN device, see :mod:`netem.testbed`).
 
+Faults are injected with lines on stdin, each acknowledged with ``ok`` (or ``error: REASON``) on stdout:
+
+- ``loss PCT SECONDS``: for the next SECONDS, drop PCT % of the packets both ways, on top of the profile's loss;
+- ``stall SECONDS``: for the next SECONDS, release nothing either way; what arrives meanwhile (and what was
+  queued) is held, then released in order — a link that stops and resumes, as when a radio loses its signal.
+
 Jitter without reordering: each packet's release time is
 
     t_release = max(t_arrival + delay + U(-jitter, +jitter), t_release of the previous packet)
@@ -67,21 +73,27 @@ class DelayLine:
         self.out_fd = out_fd
         self.jitter_draw = CorrelatedUniform(profile.correlation_pct, rng)
         self.loss_draw = CorrelatedUniform(profile.correlation_pct, rng)
+        self.rng = rng
         self.queue: deque[tuple[float, bytes]] = deque()
         self.last_release = 0.0
+        self.burst_loss = 0.0  # extra drop probability while ``now < burst_until``
+        self.burst_until = 0.0
+        self.held_until = 0.0  # a stall: nothing is released before this time
 
     def push(self, packet: bytes, now: float) -> None:
         if self.loss and self.loss_draw.draw() < self.loss:
+            return
+        if now < self.burst_until and self.rng.random() < self.burst_loss:
             return
         jitter = (2 * self.jitter_draw.draw() - 1) * self.jitter_s if self.jitter_s else 0.0
         self.last_release = max(now + self.delay_s + jitter, self.last_release)
         self.queue.append((self.last_release, packet))
 
     def next_release(self) -> float | None:
-        return self.queue[0][0] if self.queue else None
+        return max(self.queue[0][0], self.held_until) if self.queue else None
 
     def release(self, now: float) -> None:
-        while self.queue and self.queue[0][0] <= now:
+        while self.queue and max(self.queue[0][0], self.held_until) <= now:
             with contextlib.suppress(OSError):  # the stack refused it (device going down): a lost packet
                 os.write(self.out_fd, self.queue.popleft()[1])
 
@@ -111,11 +123,41 @@ class WakeLatency:
         self.estimate_s += self.weight * (overshoot_s - self.estimate_s)
 
 
+def inject(command: str, lines: list[DelayLine], now: float) -> None:
+    """Apply one fault command (see the module docstring) to both directions; raises ValueError if malformed."""
+    name, *args = command.split()
+    values = [float(a) for a in args]
+    if name == "loss" and len(values) == 2 and 0 <= values[0] <= 100 and values[1] >= 0:
+        for line in lines:
+            line.burst_loss, line.burst_until = values[0] / 100, now + values[1]
+    elif name == "stall" and len(values) == 1 and values[0] >= 0:
+        for line in lines:
+            line.held_until = now + values[0]
+    else:
+        raise ValueError(f"unknown command {command!r}; expected 'loss PCT SECONDS' or 'stall SECONDS'")
+
+
+def _read_commands(stdin: int, pending: bytearray, lines: list[DelayLine]) -> bool:
+    """Apply the complete command lines on stdin, acknowledging each; False once stdin is closed."""
+    chunk = os.read(stdin, 1024)
+    pending += chunk
+    while b"\n" in pending:
+        command, _, rest = bytes(pending).partition(b"\n")
+        pending[:] = rest
+        try:
+            inject(command.decode(), lines, time.monotonic())
+            print("ok", flush=True)
+        except ValueError as exc:
+            print(f"error: {exc}", flush=True)
+    return bool(chunk)
+
+
 def forward(client_fd: int, server_fd: int, up: LinkProfile, down: LinkProfile) -> None:
     """Move packets between the two TUN devices until stdin closes."""
     rng = random.Random()
     lines = {client_fd: DelayLine(up, server_fd, rng), server_fd: DelayLine(down, client_fd, rng)}
     stdin = sys.stdin.fileno()
+    commands = bytearray()
     latency = WakeLatency()
     while True:
         due = [t for line in lines.values() if (t := line.next_release()) is not None]
@@ -123,7 +165,7 @@ def forward(client_fd: int, server_fd: int, up: LinkProfile, down: LinkProfile) 
         timeout = max(0.0, min(due) - slept_at - latency.estimate_s) if due else None
         readable, _, _ = select.select([stdin, *lines], [], [], timeout)
         now = time.monotonic()
-        if stdin in readable and not os.read(stdin, 1024):
+        if stdin in readable and not _read_commands(stdin, commands, list(lines.values())):
             return
         if readable:
             arrival = max(slept_at, now - latency.estimate_s)

@@ -12,19 +12,32 @@ server between messages, and keeps training while its updates travel.
 A round closes when every client has contributed, or — stragglers — once ``quorum`` of the clients have and
 ``deadline_s`` has passed since it became the oldest open round. A contribution is accepted once: late
 (its round is closed), repeated, or beyond what the client could legally have trained is refused with the
-reason, and so is a payload that does not decode."""
+reason, and so is a payload that does not decode or fails validation (``strategies.validation``).
+
+Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
+a new node is a fresh client, sent the newest global model first. Updates are accepted at most once per
+(partition, round), so a device that comes back under a new node id cannot contribute a round twice, and a
+reply is whole or refused, so no aggregate holds part of an update.
+
+Aggregation is the streaming example-weighted mean unless an ``Aggregator`` (a robust rule, see
+``fl_server.robust``) is given; then the round's decoded updates are kept until it closes."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from strategies.codecs import Layout, MalformedUpdate, server_compressor
 from strategies.fedavg import WeightedMean, apply_update
+from strategies.validation import NormOutlierFilter
 
 MAX_IN_FLIGHT = 2
+
+Aggregator = Callable[[list[tuple[np.ndarray, int]]], np.ndarray]
+"""A round's (dense update, num_examples) pairs → the update applied to the global model."""
 
 
 @dataclass(frozen=True)
@@ -41,12 +54,14 @@ class Contribution:
 
 @dataclass(frozen=True)
 class Request:
-    """What to send one client now. ``global_round`` is None when the client already has the newest model."""
+    """What to send one client now. ``global_round`` is None when the client already has the newest model;
+    ``held_round`` is the global round the client is known to hold (−1: none, or unsure after a failure)."""
 
     next_round: int
     last_round: int
     global_round: int | None
     global_params: np.ndarray | None
+    held_round: int = -1
 
 
 @dataclass(frozen=True)
@@ -71,12 +86,14 @@ class _Client:
     delivered: int = -1  # newest global round sent to it (−1: nothing yet)
     received: int = 0  # newest round it contributed
     in_flight: int = 0
-    rounds: set[int] = field(default_factory=set)
+    resend_global: bool = False  # a message to it failed: it may not hold the global model it was sent
+    behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
 
 
 @dataclass
 class _OpenRound:
     mean: WeightedMean
+    updates: list[tuple[np.ndarray, int]] = field(default_factory=list)  # kept only for an Aggregator
     clients: list[int] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -93,6 +110,8 @@ class RoundEngine:
         quorum: float = 1.0,
         deadline_s: float | None = None,
         start_round: int = 0,
+        aggregator: Aggregator | None = None,
+        validator: NormOutlierFilter | None = None,
     ) -> None:
         if not 0 < quorum <= 1:
             raise ValueError(f"quorum must be in (0, 1], got {quorum}")
@@ -104,7 +123,10 @@ class RoundEngine:
         self.min_clients = max(1, math.ceil(quorum * num_clients))
         self.deadline_s = deadline_s
         self.aggregated = start_round
+        self.aggregator = aggregator
+        self.validator = validator
         self._clients: dict[int, _Client] = {}
+        self._contributed: dict[int, set[int]] = {}  # partition → rounds it sent an update for
         self._open: dict[int, _OpenRound] = {}
         self._oldest_open_since: float | None = None
 
@@ -120,35 +142,53 @@ class RoundEngine:
         c = self._clients.setdefault(client, _Client())
         if self.done or c.in_flight >= MAX_IN_FLIGHT:
             return None
-        next_round = max(c.received, self.aggregated) + 1
         frontier = min(self.rounds, self.aggregated + self.delay + 1)
-        new_global = self.aggregated > c.delivered
+        next_round = max(c.received, self.aggregated) + 1
+        if c.behind:  # skip the rounds that will close before its reply arrives, so that it catches up
+            next_round = max(next_round, frontier)
+        new_global = self.aggregated > c.delivered or c.resend_global
         # Every message in flight returns at least one update, so only ask for updates it can still train.
         if not new_global and frontier - next_round + 1 <= c.in_flight:
             return None
         c.in_flight += 1
         if not new_global:
             return Request(next_round, frontier, None, None)
+        held_round = -1 if c.resend_global else c.delivered
         c.delivered = self.aggregated
-        return Request(next_round, frontier, self.aggregated, self.global_params)
+        c.resend_global = False
+        return Request(next_round, frontier, self.aggregated, self.global_params, held_round)
 
-    def receive(self, client: int, contributions: list[Contribution]) -> list[Rejection]:
-        """Take one reply's updates; returns what was refused and why."""
+    def receive(self, client: int, contributions: list[Contribution], partition: int | None = None) -> list[Rejection]:
+        """Take one reply's updates; returns what was refused and why. ``partition`` (the reply's partition id;
+        the node id when None) is what an update is accepted once per round for, and what closed rounds list."""
         c = self._clients.setdefault(client, _Client())
         c.in_flight = max(0, c.in_flight - 1)
+        source = client if partition is None else partition
         rejections = []
         for item in contributions:
-            reason = self._admit(client, c, item)
+            reason = self._admit(source, c, item)
             if reason:
-                rejections.append(Rejection(client, item.round, reason))
+                rejections.append(Rejection(source, item.round, reason))
         return rejections
 
-    def _admit(self, client: int, c: _Client, item: Contribution) -> str | None:
-        if item.round in c.rounds:
+    def fail(self, client: int) -> None:
+        """A message to ``client`` came back as an error: it may not have the global model, so send it again."""
+        c = self._clients.setdefault(client, _Client())
+        c.in_flight = max(0, c.in_flight - 1)
+        c.resend_global = True
+
+    def retire(self, client: int) -> None:
+        """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""
+        self._clients.pop(client, None)
+
+    def _admit(self, source: int, c: _Client, item: Contribution) -> str | None:
+        contributed = self._contributed.setdefault(source, set())
+        if item.round in contributed:
             return "repeated: this client already sent an update for that round"
         if item.round <= self.aggregated:
-            c.rounds.add(item.round)
+            contributed.add(item.round)
             c.received = max(c.received, item.round)
+            c.behind = True
             return "late: the round was already closed"
         if item.round > min(self.rounds, c.delivered + self.delay + 1):
             return "unrequested: the client could not have trained that round yet"
@@ -156,15 +196,24 @@ class RoundEngine:
             return "num_examples must be positive"
         open_round = self._open.get(item.round) or _OpenRound(WeightedMean(self.global_params.size))
         try:
-            open_round.mean.add(server_compressor(item.stype), item.payload, self.layout, item.num_examples)
+            compressor = server_compressor(item.stype)
+            if self.validator or self.aggregator:
+                update = compressor.decode(item.payload, self.layout)
+                if self.validator and (reason := self.validator.check(update)):
+                    return reason
+            if self.aggregator:
+                open_round.updates.append((update, item.num_examples))
+            else:
+                open_round.mean.add(compressor, item.payload, self.layout, item.num_examples)
         except MalformedUpdate as exc:
             return f"malformed: {exc}"
         self._open[item.round] = open_round
-        open_round.clients.append(client)
+        open_round.clients.append(source)
         open_round.train_s.append(item.train_s)
         open_round.losses.append(item.loss)
-        c.rounds.add(item.round)
+        contributed.add(item.round)
         c.received = max(c.received, item.round)
+        c.behind = False
         return None
 
     def close_rounds(self, now: float) -> list[ClosedRound]:
@@ -181,7 +230,8 @@ class RoundEngine:
             else:
                 break
             del self._open[round_]
-            self.global_params = apply_update(self.global_params, open_round.mean.mean())
+            mean = self.aggregator(open_round.updates) if self.aggregator else open_round.mean.mean()
+            self.global_params = apply_update(self.global_params, mean)
             self.aggregated = round_
             self._oldest_open_since = now
             closed.append(

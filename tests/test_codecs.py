@@ -13,6 +13,7 @@ import pytest
 from strategies.codecs import (
     CodecError,
     CodecSpec,
+    DGCOptions,
     MalformedUpdate,
     make_client_codec,
     parse_codec,
@@ -111,6 +112,7 @@ def fp16_bound(v: np.ndarray) -> np.ndarray:
         ("dgc:0.999", CodecSpec("dgc", 0.999)),
         ("dgc:0.999:naive", CodecSpec("dgc", 0.999, "naive")),
         ("dgc:0.99:clip=0.5:momentum", CodecSpec("dgc", 0.99, "momentum", 0.5)),
+        ("dgc:0.999:warmup=200", CodecSpec("dgc", 0.999, warmup_rounds=200)),
         ("powersgd:2", CodecSpec("powersgd", 2.0)),
         ("onebit", CodecSpec("onebit")),
         ("terngrad", CodecSpec("terngrad")),
@@ -138,6 +140,9 @@ def test_parse_codec_accepts(spec: str, expected: CodecSpec) -> None:
         "dgc:0.99:naive:full",
         "dgc:0.99:clip=-1",
         "dgc:0.99:clip=x",
+        "dgc:0.99:warmup=0",
+        "dgc:0.99:warmup=2.5",
+        "dgc:0.99:warmup=4:warmup=8",
         "powersgd:1.5",
         "powersgd:0",
         "onebit:3",
@@ -224,6 +229,20 @@ def test_dgc_warmup_schedule() -> None:
             sent = decode(*codec.encode(u, server_round), layout)
             k = round(wanted * 10_000)
             assert 0.8 * k <= np.count_nonzero(sent[:10_000]) <= k
+
+
+def test_dgc_warmup_length_spreads_the_same_four_stages() -> None:
+    options = DGCOptions.for_stage(0.999, warmup_rounds=10)
+    densities = [options.density(r) for r in range(1, 12)]
+    assert densities == [0.25] * 3 + [0.0625] * 2 + [0.015625] * 3 + [0.00390625] * 2 + [pytest.approx(0.001)]
+
+
+def test_compress_bypasses_the_error_feedback() -> None:
+    codec = make_client_codec("topk:0.1", SMALL, 0)
+    u = random_update(1)
+    stype, payload = codec.compress(u, 1)
+    np.testing.assert_array_equal(decode(stype, payload), decode(*make_client_codec("topk:0.1", SMALL, 0).encode(u, 1)))
+    assert not codec.memory.residual.any()  # encode would have kept the unsent entries
 
 
 def test_powersgd_is_exact_for_low_rank_and_a_projection_otherwise() -> None:

@@ -1,7 +1,9 @@
 """Settings: defaults ← TOML ← flags, validation with one-line errors, and the resolved file round-trips."""
 
+import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edgefl.config import ConfigError, build_config, load_config, save_config
@@ -34,6 +36,8 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ("clients = [\n", "not valid TOML"),
         ('clients = "four"\n', "clients must be a number"),
         ('compress = "zip"\n', "zip"),
+        ('lr_schedule = "step"\n', "unknown lr-schedule"),
+        ('compress_down = "zip"\n', "zip"),
     ],
 )
 def test_bad_settings_say_what_is_wrong_in_one_line(tmp_path: Path, text: str, message: str) -> None:
@@ -47,3 +51,26 @@ def test_bad_settings_say_what_is_wrong_in_one_line(tmp_path: Path, text: str, m
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         build_config("/nonexistent/edgefl.toml")
+
+
+def test_evaluation_sample_is_fixed_by_the_seed_and_drawn_from_the_test_split() -> None:
+    from fl_server.engine import evaluation_sample
+
+    x = np.arange(100, dtype=np.float32).reshape(50, 2)
+    y = np.arange(50)
+    xs, ys = evaluation_sample(x, y, 20, seed=3)
+    assert len(ys) == 20 and len(set(ys.tolist())) == 20
+    assert np.array_equal(xs, x[ys])  # rows stay paired with their labels
+    assert np.array_equal(evaluation_sample(x, y, 20, seed=3)[1], ys)
+    assert not np.array_equal(evaluation_sample(x, y, 20, seed=4)[1], ys)
+    assert evaluation_sample(x, y, 0, seed=3)[1] is y
+
+
+def test_cosine_schedule_anneals_from_the_base_rate_over_the_run() -> None:
+    from edge.trainer import scheduled_lr
+
+    rates = [scheduled_lr(0.1, "cosine", r, 10) for r in range(1, 11)]
+    assert rates[0] == 0.1
+    assert abs(rates[5] - 0.05) < 1e-12  # η/2 halfway: ½(1 + cos(π/2))
+    assert all(a > b for a, b in itertools.pairwise(rates)) and rates[-1] > 0
+    assert scheduled_lr(0.1, "constant", 7, 10) == 0.1

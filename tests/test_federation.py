@@ -60,7 +60,7 @@ def test_ctrl_c_stops_every_process(run_dir: Path) -> None:
     wait_for_first_round(proc, run_dir)
     assert processes_of(run_dir)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert not processes_of(run_dir)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from fl_client.wire import (
@@ -16,16 +15,26 @@ from fl_client.wire import (
     parse_reply,
     reply_content,
 )
+from strategies.downlink import Broadcast, Part
 
 
-def test_instruction_round_trip_carries_the_model_as_one_array() -> None:
-    params = np.arange(10, dtype=np.float32)
-    content = instruction_content(TrainInstruction({"dataset": "digits"}, 3, 7, 2, params))
+def test_instruction_round_trip_carries_the_broadcast_as_one_array() -> None:
+    broadcast = Broadcast(2, (Part(3, "edgefl.topk.v1", b"abc"), Part(5, "edgefl.int8.v1", b"defg")))
+    content = instruction_content(TrainInstruction({"dataset": "digits"}, 3, 7, broadcast))
     assert len(content.array_records[ARRAYS]) == 1
     instr = parse_instruction(content)
-    assert (instr.job, instr.next_round, instr.last_round, instr.global_round) == ({"dataset": "digits"}, 3, 7, 2)
-    np.testing.assert_array_equal(instr.global_params, params)
-    assert parse_instruction(instruction_content(TrainInstruction({}, 1, 1, -1, None))).global_params is None
+    assert (instr.job, instr.next_round, instr.last_round, instr.broadcast) == ({"dataset": "digits"}, 3, 7, broadcast)
+    assert parse_instruction(instruction_content(TrainInstruction({}, 1, 1, None))).broadcast is None
+
+
+def test_instruction_with_a_broadcast_that_does_not_add_up_is_refused() -> None:
+    content = instruction_content(TrainInstruction({}, 1, 1, Broadcast(0, (Part(1, "edgefl.topk.v1", b"abc"),))))
+    content[CONFIG]["sizes"] = [4]
+    with pytest.raises(ValueError, match="do not add up"):
+        parse_instruction(content)
+    del content.array_records[ARRAYS]
+    with pytest.raises(KeyError):  # metadata without the bundle
+        parse_instruction(content)
 
 
 def _reply() -> TrainReply:

@@ -31,18 +31,28 @@ class ClientCodec:
         encodings are reproducible and no generator state needs saving. A payload larger than the dense
         float32 one (tiny layouts, τ below most |v_i|), which the server would reject, is replaced by it.
         """
-        if server_round < 1:
-            raise CodecError(f"server_round must be ≥ 1, got {server_round}")
         v = self.memory.compensate(self._checked(u))
-        rng = np.random.default_rng([self.seed, server_round])
-        state = self.memory.compressor_state(server_round, rng)
-        compressor = self.compressor
-        payload = compressor.encode(v, self.layout, state)
-        if len(payload) > dense_payload_size(self.size):
-            compressor = NoCompression()
-            payload = compressor.encode(v, self.layout, state)
+        compressor, payload = self._compress(v, server_round)
         self.memory.update(v, compressor.decode(payload, self.layout))
         return compressor.stype, payload
+
+    def compress(self, v: np.ndarray, server_round: int) -> tuple[str, bytes]:
+        """(stype, payload) for v exactly as given: the memory supplies the compressor's inputs (DGC's density,
+        PowerSGD's warm start) but no error feedback, for a caller that keeps its own (the downlink)."""
+        compressor, payload = self._compress(self._checked(v), server_round)
+        return compressor.stype, payload
+
+    def _compress(self, v: Vector, server_round: int) -> tuple[Compressor, bytes]:
+        """The compressor that encoded v (dense when the codec's payload would be larger) and its payload."""
+        if server_round < 1:
+            raise CodecError(f"server_round must be ≥ 1, got {server_round}")
+        rng = np.random.default_rng([self.seed, server_round])
+        state = self.memory.compressor_state(server_round, rng)
+        payload = self.compressor.encode(v, self.layout, state)
+        if len(payload) <= dense_payload_size(self.size):
+            return self.compressor, payload
+        dense = NoCompression()
+        return dense, dense.encode(v, self.layout, state)
 
     def state_dict(self) -> dict[str, Vector]:
         """Copies of the memory's arrays (residual, momentum, velocity, warm-start factors)."""

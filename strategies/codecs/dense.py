@@ -21,6 +21,11 @@ from strategies.codecs.base import (
 )
 
 
+def dense_payload(v: Vector) -> bytes:
+    """The `none` payload of v: header (version u8, P u32) + P little-endian float32."""
+    return DENSE_HEADER.pack(FORMAT_VERSION, v.size) + v.astype("<f4", copy=False).tobytes()
+
+
 class NoCompression(Compressor):
     """Lossless: decode(encode(v)) == v bitwise.
 
@@ -30,7 +35,7 @@ class NoCompression(Compressor):
     stype = "edgefl.none.v1"
 
     def encode(self, v: Vector, layout: Layout, state: CompressorState) -> bytes:
-        return DENSE_HEADER.pack(FORMAT_VERSION, v.size) + v.astype("<f4", copy=False).tobytes()
+        return dense_payload(v)
 
     def decode(self, payload: bytes, layout: Layout) -> Vector:
         return self._values(payload, layout).astype(np.float32)

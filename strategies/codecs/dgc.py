@@ -9,7 +9,8 @@ Per client and round, with g the update the client hands over (−η·∇f in th
     v ← v − sent;  u ← u ⊙ ¬mask            momentum factor masking at the sparse indices sent
 
 The memory holds the momentum, so a client using DGC must train with plain SGD (no optimizer momentum).
-Sparsity warm-up: 75%, 93.75%, 98.4375%, 99.6% in rounds 1–4, then the target (99.9% in the paper).
+Sparsity warm-up: 75%, 93.75%, 98.4375%, 99.6%, each for a quarter of the warm-up rounds (default 4, one round
+each; the paper spreads them over its first 4 epochs), then the target (99.9% in the paper).
 The top-k threshold comes from a ~1% random sample and is refined while the count is off by >1.3x / <0.8x.
 Since sent is float16-rounded, v keeps the rounding error instead of an exact zero: Σ sent + v_T = Σ_t u_t.
 """
@@ -68,6 +69,7 @@ class DGCOptions:
     masking: bool = True
     clip_norm: float | None = None
     num_clients: int = 1
+    warmup_rounds: int = len(WARMUP_DENSITIES)
 
     def __post_init__(self) -> None:
         if not 0 < self.sparsity < 1:
@@ -78,14 +80,22 @@ class DGCOptions:
             raise CodecError(f"DGC clip norm must be positive and finite, got {self.clip_norm}")
         if self.num_clients < 1:
             raise CodecError(f"DGC needs num_clients ≥ 1 for its clipping share, got {self.num_clients}")
+        if self.warmup_rounds < 1:
+            raise CodecError(f"DGC warm-up must last at least 1 round, got {self.warmup_rounds}")
 
     @classmethod
     def for_stage(
-        cls, sparsity: float, stage: DGCStage = "full", clip_norm: float | None = None, num_clients: int = 1
+        cls,
+        sparsity: float,
+        stage: DGCStage = "full",
+        clip_norm: float | None = None,
+        num_clients: int = 1,
+        warmup_rounds: int = len(WARMUP_DENSITIES),
     ) -> DGCOptions:
         """Cumulative ablation: naive top-k (unsent entries dropped) → + local accumulation → + momentum
         correction → + sparsity warm-up → full DGC (+ momentum factor masking). Local clipping is on at any
-        stage when `clip_norm` (the global max norm training would clip at) is given."""
+        stage when `clip_norm` (the global max norm training would clip at) is given; `warmup_rounds` is the
+        length of the sparsity warm-up where it is on."""
         level = DGC_STAGES.index(stage)
         return cls(
             sparsity,
@@ -95,13 +105,15 @@ class DGCOptions:
             masking=level >= 4,
             clip_norm=clip_norm,
             num_clients=num_clients,
+            warmup_rounds=warmup_rounds,
         )
 
     def density(self, server_round: int) -> float:
         """Fraction of entries sent in round server_round (1-based), after the warm-up schedule."""
         target = 1.0 - self.sparsity
-        if self.warmup and server_round <= len(WARMUP_DENSITIES):
-            return max(WARMUP_DENSITIES[server_round - 1], target)
+        if self.warmup and server_round <= self.warmup_rounds:
+            stage = (server_round - 1) * len(WARMUP_DENSITIES) // self.warmup_rounds
+            return max(WARMUP_DENSITIES[stage], target)
         return target
 
 

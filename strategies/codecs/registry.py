@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from strategies.codecs.base import CodecError, Compressor, Layout, MalformedUpdate, layout_info
 from strategies.codecs.client import ClientCodec
 from strategies.codecs.dense import NoCompression
-from strategies.codecs.dgc import DGC_STAGES, DGCCompressor, DGCMemory, DGCOptions, DGCStage
+from strategies.codecs.dgc import DGC_STAGES, WARMUP_DENSITIES, DGCCompressor, DGCMemory, DGCOptions, DGCStage
 from strategies.codecs.memory import Memory, ResidualMemory
 from strategies.codecs.powersgd import PowerSGD, PowerSGDMemory
 from strategies.codecs.quantize import (
@@ -38,16 +38,18 @@ PARAMETERS: dict[str, tuple[str, Callable[[float], bool]]] = {
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """A parsed codec string NAME[:VALUE], and for dgc NAME:SPARSITY[:STAGE][:clip=NORM].
+    """A parsed codec string NAME[:VALUE], and for dgc NAME:SPARSITY[:STAGE][:clip=NORM][:warmup=ROUNDS].
 
     value: topk ratio, dgc sparsity, powersgd rank, threshold τ or qsgd levels; None for the others.
-    stage: dgc ablation stage (naive, accumulate, momentum, warmup, full); clip_norm: dgc's global max norm.
+    stage: dgc ablation stage (naive, accumulate, momentum, warmup, full); clip_norm: dgc's global max norm;
+    warmup_rounds: length of dgc's sparsity warm-up.
     """
 
     name: str
     value: float | None = None
     stage: DGCStage = "full"
     clip_norm: float | None = None
+    warmup_rounds: int = len(WARMUP_DENSITIES)
 
     @property
     def holds_momentum(self) -> bool:
@@ -56,7 +58,7 @@ class CodecSpec:
 
 
 def parse_codec(spec: str) -> CodecSpec:
-    """Parse e.g. "none", "topk:0.01", "dgc:0.999", "dgc:0.999:momentum:clip=0.5", "powersgd:2", "onebit",
+    """Parse e.g. "none", "topk:0.01", "dgc:0.999", "dgc:0.999:momentum:clip=0.5:warmup=200", "powersgd:2", "onebit",
     "terngrad", "threshold:0.001", "int8", "qsgd:16"; raises CodecError (a ValueError) with one line."""
     name, *params = spec.strip().split(":")
     if name not in CODEC_NAMES:
@@ -77,15 +79,22 @@ def parse_codec(spec: str) -> CodecSpec:
 
 
 def _dgc_spec(sparsity: float, options: list[str], spec: str) -> CodecSpec:
-    """The stage and clip options of a dgc spec."""
+    """The stage, clip and warm-up options of a dgc spec."""
     stages = [option for option in options if option in DGC_STAGES]
     clips = [option.removeprefix("clip=") for option in options if option.startswith("clip=")]
-    if len(stages) + len(clips) != len(options) or len(stages) > 1 or len(clips) > 1:
-        raise CodecError(f"dgc options are one stage of {', '.join(DGC_STAGES)} and one 'clip=NORM', got {spec!r}")
+    warmups = [option.removeprefix("warmup=") for option in options if option.startswith("warmup=")]
+    if len(stages) + len(clips) + len(warmups) != len(options) or max(map(len, (stages, clips, warmups))) > 1:
+        raise CodecError(
+            f"dgc options are one stage of {', '.join(DGC_STAGES)}, one 'clip=NORM' and one 'warmup=ROUNDS', "
+            f"got {spec!r}"
+        )
     clip_norm = _number(clips[0]) if clips else None
     if clips and (clip_norm is None or not 0 < clip_norm < math.inf):
         raise CodecError(f"dgc clip norm must be a positive number, got {spec!r}")
-    return CodecSpec("dgc", sparsity, stages[0] if stages else "full", clip_norm)
+    warmup = _number(warmups[0]) if warmups else float(len(WARMUP_DENSITIES))
+    if warmup is None or not warmup.is_integer() or warmup < 1:
+        raise CodecError(f"dgc warm-up must be a whole number of rounds ≥ 1, got {spec!r}")
+    return CodecSpec("dgc", sparsity, stages[0] if stages else "full", clip_norm, int(warmup))
 
 
 def _number(text: str) -> float | None:
@@ -112,7 +121,9 @@ def make_client_codec(spec: str, layout: Layout, seed: int, num_clients: int = 1
         case "topk":
             compressor, memory = TopK(parsed.value), ResidualMemory(size)
         case "dgc":
-            options = DGCOptions.for_stage(parsed.value, parsed.stage, parsed.clip_norm, num_clients)
+            options = DGCOptions.for_stage(
+                parsed.value, parsed.stage, parsed.clip_norm, num_clients, parsed.warmup_rounds
+            )
             compressor, memory = DGCCompressor(), DGCMemory(layout, options)
         case "powersgd":
             rank = int(parsed.value)

@@ -1,0 +1,364 @@
+"""A federation across machines: ``edgefl certs`` makes the TLS material, ``edgefl server`` runs Flower's
+SuperLink on the server machine, ``edgefl client`` joins from each device (edge agent + Flower's SuperNode),
+and ``edgefl run --federation remote`` submits runs to that SuperLink.
+
+    edgefl certs --out certs --host 192.168.1.10 --node-keys 4
+    edgefl server --listen 0.0.0.0:9092 --certs certs --auth-keys certs/node-*.pub
+    edgefl client --server 192.168.1.10:9092 --root-cert ca.pem --partition-id 0 --num-partitions 4 \\
+        --auth-key node-0.key
+
+A client keeps its device in the federation: Flower's SuperNode retries a lost SuperLink without limit, and
+when the SuperNode gives up (the SuperLink restarted and forgot the node) the client starts it again."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.devices import CpuCap, device_profile
+from edgefl.certs import (
+    CertError,
+    ServerCerts,
+    certificate_hosts,
+    check_node_private_key,
+    check_node_public_key,
+    make_node_keys,
+    make_server_certs,
+)
+from edgefl.config import ConfigError, RunConfig, parse_address
+from edgefl.launcher import (
+    CONNECT_TIMEOUT_S,
+    FEDERATION,
+    STARTUP_TIMEOUT_S,
+    _flower_env,
+    agent_ready,
+    reach_superlink,
+    run_flwr,
+    superlink_argv,
+    supernode_argv,
+    wait_for_superlink,
+    write_flwr_home,
+)
+from edgefl.processes import LaunchError, ProcessGroup, port_in_use
+
+POLL_S = 0.5
+RESTART_DELAY_S = 3.0
+JOINED = "SuperNode ID:"  # flower-supernode logs this once the SuperLink has accepted the node
+CONNECT_FAILED = "Failed to initialize the connection to the SuperLink."  # flower-supernode, then the reason
+NODE_ACTIVATED = "[Fleet.ActivateNode] Activated node_id="  # flower-superlink
+NODE_REFUSED = ("[/v1/fleet/activate-node][ApiError:", "[/v1/fleet/register-node][ApiError:")  # flower-superlink
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+LOCAL_HOSTS = ("localhost", "127.0.0.1")
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """The text appended to a log file since byte ``offset``."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            return file.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+# ----- edgefl server ------------------------------------------------------------------------------------------
+def _advertised_host(listen_host: str, certs: ServerCerts | None) -> str:
+    """The host devices dial: the listen address, or for a wildcard the certificate's first non-local name."""
+    if listen_host not in WILDCARD_HOSTS:
+        return listen_host
+    names = [host for host in certificate_hosts(certs.cert) if host not in LOCAL_HOSTS] if certs else []
+    return names[0] if names else socket.gethostname()
+
+
+def join_instructions(listen: str, certs: ServerCerts | None, auth_keys: list[Path]) -> list[str]:
+    """What ``edgefl server`` prints: the command each device runs to join, and how to submit runs."""
+    host, port = parse_address(listen)
+    tls = f"--root-cert {certs.ca.resolve()}" if certs else "--insecure"
+    auth = f" --auth-key {auth_keys[0].parent.resolve()}/node-I.key" if auth_keys else ""
+    local = f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
+    server = f"{_advertised_host(host, certs)}:{port}"
+    copy = f" (copy {certs.ca.name}{' and its node-I.key' if auth_keys else ''} to each device)" if certs else ""
+    return [
+        f"SuperLink on {listen}, {'TLS' if certs else 'plain text (--insecure)'}, "
+        + (f"node authentication: {len(auth_keys)} registered keys" if auth_keys else "any SuperNode may join"),
+        f"each device joins with, for I = 0 .. N-1{copy}:",
+        f"  edgefl client --server {server} {tls} --partition-id I --num-partitions N{auth}",
+        "submit runs from this machine with:",
+        f"  edgefl run --federation remote --server {local} {tls} --clients N ...",
+    ]
+
+
+def _server_events(text: str) -> list[str]:
+    """Joins and refusals in new SuperLink log text, as lines for the operator."""
+    events = []
+    for line in text.splitlines():
+        if NODE_ACTIVATED in line:
+            events.append(f"SuperNode {line.split(NODE_ACTIVATED)[1].strip()} joined")
+        elif any(marker in line for marker in NODE_REFUSED):
+            reason = line.rsplit("exception:", 1)[-1].strip() if "exception:" in line else line.strip()
+            events.append(f"refused a SuperNode: {reason}")
+    return events
+
+
+def serve(
+    listen: str, certs: ServerCerts | None, auth_keys: list[Path], out: Path, progress: Callable[[str], None]
+) -> None:
+    """Run Flower's SuperLink on ``listen`` until interrupted, registering the SuperNode keys ``auth_keys`` (node
+    authentication is on when there are any); reports joins and refusals. Stops what it started on the way out."""
+    host, port = parse_address(listen)
+    if auth_keys and certs is None:
+        raise ConfigError("node authentication needs TLS: give --certs DIR instead of --insecure")
+    for key in auth_keys:
+        check_node_public_key(key)
+    if certs and host not in WILDCARD_HOSTS and host not in (names := certificate_hosts(certs.cert)):
+        raise CertError(
+            f"{certs.cert} is for {', '.join(names)}, not {host}: recreate it with edgefl certs --host {host}"
+        )
+    if port_in_use(host, port):
+        raise ConfigError(f"cannot listen on {listen}: the port is in use or the address is not this machine's")
+    out = out.resolve()
+    logs = out / "logs"
+    (logs / "superlink.log").unlink(missing_ok=True)
+    env = _flower_env(out)
+    with ProcessGroup(logs, env) as procs:
+        procs.start("superlink", superlink_argv(host, port, certs, node_auth=bool(auth_keys)))
+        wait_for_superlink(procs)
+        local = f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
+        write_flwr_home(Path(env["FLWR_HOME"]), local, certs.ca.resolve() if certs else None)
+        for key in auth_keys:
+            run_flwr(["supernode", "register", str(key.resolve()), FEDERATION], env)
+        for line in join_instructions(listen, certs, auth_keys):
+            progress(line)
+        progress(f"log: {logs / 'superlink.log'}; Ctrl-C stops the server")
+        offset = 0
+        while True:
+            procs.check_alive()
+            text = _read_from(logs / "superlink.log", offset)
+            offset += len(text.encode())
+            for event in _server_events(text):
+                progress(event)
+            time.sleep(POLL_S)
+
+
+# ----- edgefl client ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClientSpec:
+    """One device's membership in a remote federation: everything ``edgefl client`` was given."""
+
+    server: str
+    partition_id: int
+    num_partitions: int
+    root_cert: Path | None  # None: plain text (--insecure)
+    auth_key: Path | None = None
+    dataset: str = RunConfig.dataset
+    data_dir: str = ""
+    device_profile: str = "laptop"
+    out: Path | None = None  # default runs/client-I
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+
+    @property
+    def folder(self) -> Path:
+        return (self.out or Path(f"runs/client-{self.partition_id}")).resolve()
+
+    def argv(self) -> list[str]:
+        """The ``edgefl client`` command line for this spec, with absolute paths (for a service manager)."""
+        argv = [sys.executable, "-m", "edgefl.cli", "client", "--server", self.server,
+                "--partition-id", str(self.partition_id), "--num-partitions", str(self.num_partitions)]  # fmt: skip
+        argv += ["--root-cert", str(self.root_cert.resolve())] if self.root_cert else ["--insecure"]
+        if self.auth_key:
+            argv += ["--auth-key", str(self.auth_key.resolve())]
+        argv += ["--dataset", self.dataset]
+        if self.data_dir:
+            argv += ["--data-dir", str(Path(self.data_dir).resolve())]
+        argv += ["--device-profile", self.device_profile, "--out", str(self.folder)]
+        return [*argv, "--connect-timeout", f"{self.connect_timeout_s:g}"]
+
+    def check(self) -> None:
+        """Raise the module's own error (one line) for input that cannot work, before anything starts."""
+        from edge.data import load_dataset
+
+        parse_address(self.server)
+        if self.num_partitions < 1:
+            raise ConfigError(f"--num-partitions must be at least 1, got {self.num_partitions}")
+        if not 0 <= self.partition_id < self.num_partitions:
+            raise ConfigError(f"--partition-id must be in 0..{self.num_partitions - 1}, got {self.partition_id}")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"--connect-timeout must be positive, got {self.connect_timeout_s:g}")
+        if self.auth_key:
+            if self.root_cert is None:
+                raise ConfigError("node authentication needs TLS: give --root-cert FILE instead of --insecure")
+            check_node_private_key(self.auth_key)
+        load_dataset(self.dataset, self.data_dir or None)  # DataError if this device lacks the data
+
+
+def systemd_unit(spec: ClientSpec) -> str:
+    """A systemd service that keeps this device in the federation across failures and reboots."""
+    return f"""\
+[Unit]
+Description=edgefl client {spec.partition_id} of {spec.num_partitions} (SuperLink {spec.server})
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=simple
+ExecStart={shlex.join(spec.argv())}
+WorkingDirectory={Path.cwd()}
+Environment=PYTHONUNBUFFERED=1
+Restart=on-failure
+RestartSec=10
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _refusal(text: str, spec: ClientSpec) -> str:
+    """Why a SuperNode that never joined exited, from its log."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if CONNECT_FAILED in line:
+            reason = lines[i + 1].strip() if i + 1 < len(lines) else "no reason given"
+            hint = (
+                "is this device's public key registered (edgefl server --auth-keys)?"
+                if spec.auth_key
+                else "if the server authenticates nodes, give --auth-key"
+            )
+            return f"the SuperLink at {spec.server} refused this SuperNode ({reason}): {hint}"
+    return f"the SuperNode stopped before it joined {spec.server}; see {spec.folder / 'logs' / 'supernode.log'}"
+
+
+def _run_supernode(
+    spec: ClientSpec, argv: list[str], agent: ProcessGroup, first: bool, progress: Callable[[str], None]
+) -> bool:
+    """Run one SuperNode process until it exits; returns whether it joined. The ``first`` one must join within
+    the connect timeout, or this raises LaunchError with the reason."""
+    log = agent.log_dir / "supernode.log"
+    offset = _size(log)
+    deadline = time.monotonic() + spec.connect_timeout_s
+    joined = False
+    with ProcessGroup(agent.log_dir, agent.env) as node:
+        proc = node.start("supernode", argv)
+        while proc.poll() is None:
+            agent.check_alive()
+            if not joined and JOINED in _read_from(log, offset):
+                joined = True
+                progress(f"partition {spec.partition_id}/{spec.num_partitions} joined {spec.server}")
+            if first and not joined and time.monotonic() > deadline:
+                raise LaunchError(f"the SuperNode did not join {spec.server} within {spec.connect_timeout_s:.0f} s")
+            time.sleep(POLL_S)
+    text = _read_from(log, offset)
+    if first and JOINED not in text:
+        raise LaunchError(_refusal(text, spec))
+    return JOINED in text
+
+
+def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
+    """Keep this device in the federation until interrupted: the edge agent, and Flower's SuperNode restarted
+    whenever it exits. Fails with one line if the server cannot be reached or refuses the node the first time."""
+    spec.check()
+    with contextlib.ExitStack() as stack:
+        cap = stack.enter_context(CpuCap(device_profile(spec.device_profile), f"client-{spec.partition_id}"))
+        reach_superlink(spec.server, spec.root_cert, spec.connect_timeout_s)
+        logs = spec.folder / "logs"
+        shutil.rmtree(logs, ignore_errors=True)
+        env = _flower_env(spec.folder)
+        agent = stack.enter_context(ProcessGroup(logs, env))
+        sock = str(spec.folder / "agent.sock")
+        data_dir = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []
+        agent.start("agent", [*cap.argv_prefix(), sys.executable, "-m", "edge.agent", "--socket", sock, *data_dir])
+        agent.wait_until("the edge agent", lambda: agent_ready(sock), STARTUP_TIMEOUT_S)
+        node_config = f'partition-id={spec.partition_id} num-partitions={spec.num_partitions} agent="{sock}"'
+        progress(f"edge agent ready; logs: {logs}")
+        first = True
+        while True:
+            argv = supernode_argv(spec.server, spec.root_cert, node_config, spec.auth_key)
+            joined = _run_supernode(spec, argv, agent, first, progress)
+            first = False
+            progress(
+                f"the SuperNode {'left' if joined else 'could not rejoin'}; restarting it in {RESTART_DELAY_S:g} s"
+            )
+            time.sleep(RESTART_DELAY_S)
+
+
+# ----- the commands -------------------------------------------------------------------------------------------
+def cmd_certs(args: argparse.Namespace) -> int:
+    certs = make_server_certs(args.out, args.host)
+    print(f"CA certificate (give it to every device): {certs.ca}")
+    print(f"server certificate for {', '.join(certificate_hosts(certs.cert))}: {certs.cert} (key {certs.key})")
+    if args.node_keys:
+        keys = make_node_keys(args.out, args.node_keys)
+        print(f"SuperNode keys: {keys[0].parent}/node-I.key to device I, node-I.pub to edgefl server --auth-keys")
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    if (args.certs is None) == (not args.insecure):
+        raise ConfigError("give --certs DIR (TLS) or --insecure (plain text, trusted networks only)")
+    certs = ServerCerts.in_dir(args.certs) if args.certs else None
+    serve(args.listen, certs, args.auth_keys or [], args.out, lambda line: print(line, flush=True))
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    if (args.root_cert is None) == (not args.insecure):
+        raise ConfigError("give --root-cert FILE (the server's CA certificate) or --insecure, not both or neither")
+    spec = ClientSpec(
+        args.server, args.partition_id, args.num_partitions, args.root_cert, args.auth_key, args.dataset,
+        args.data_dir or "", args.device_profile, args.out, args.connect_timeout,
+    )  # fmt: skip
+    if args.install_systemd is not None:
+        spec.check()
+        path = Path(args.install_systemd or f"/etc/systemd/system/edgefl-client-{spec.partition_id}.service")
+        path.write_text(systemd_unit(spec))
+        print(f"wrote {path}; enable it with: sudo systemctl daemon-reload && sudo systemctl enable --now {path.name}")
+        return 0
+    join(spec, lambda line: print(line, flush=True))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("certs", help="a lab CA, a server certificate and SuperNode keys for edgefl server/client")
+    p.add_argument("--out", type=Path, required=True, help="folder for the PEM files and keys")
+    p.add_argument("--host", action="append", default=[], help="host name or IP devices dial (repeatable)")
+    p.add_argument("--node-keys", type=int, default=0, metavar="N", help="also N SuperNode key pairs node-I.key/.pub")
+    p.set_defaults(func=cmd_certs)
+
+    p = sub.add_parser("server", help="run the SuperLink devices join (TLS); prints the edgefl client line")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="e.g. 0.0.0.0:9092")
+    p.add_argument("--certs", type=Path, help="folder made by edgefl certs (TLS)")
+    p.add_argument("--insecure", action="store_true", help="plain text instead of TLS (trusted networks only)")
+    p.add_argument("--auth-keys", type=Path, nargs="+", metavar="PUB",
+                   help="SuperNode public keys (node-I.pub) to admit; other nodes are refused")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("runs/server"), help="folder for logs (default runs/server)")
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("client", help="join this device to an edgefl server (edge agent + SuperNode)")
+    p.add_argument("--server", required=True, metavar="HOST:PORT")
+    p.add_argument("--partition-id", type=int, required=True, help="this device's data partition, 0..N-1")
+    p.add_argument("--num-partitions", type=int, required=True, help="N, the number of devices")
+    p.add_argument("--root-cert", type=Path, help="the server's CA certificate (ca.pem from edgefl certs)")
+    p.add_argument("--insecure", action="store_true", help="plain text, for a server started with --insecure")
+    p.add_argument("--auth-key", type=Path, help="this device's SuperNode private key (node-I.key)")
+    p.add_argument("--dataset", default=RunConfig.dataset, help=f"data set to check before joining "
+                   f"(default {RunConfig.dataset})")  # fmt: skip
+    p.add_argument("--data-dir", help="folder with the data set's files (mnist, or a local fashion-mnist)")
+    p.add_argument("--device-profile", default="laptop", help="emulated device CPU: laptop, rpi3, rpi4, rpi5")
+    p.add_argument("--out", type=Path, help="folder for logs and the agent's socket (default runs/client-I)")
+    p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="S",
+                   help=f"seconds to wait for the server at start (default {CONNECT_TIMEOUT_S:g})")  # fmt: skip
+    p.add_argument("--install-systemd", nargs="?", const="", default=None, metavar="UNIT_FILE",
+                   help="write a systemd unit running this command instead of running it "
+                   "(default /etc/systemd/system/edgefl-client-I.service)")  # fmt: skip
+    p.set_defaults(func=cmd_client)

@@ -1,0 +1,106 @@
+"""Lab certificates and SuperNode keys (edgefl.certs), and the TLS check commands run before they connect
+(edgefl.launcher.reach_superlink), against a real TLS listener on loopback."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from edgefl.certs import (
+    CertError,
+    ServerCerts,
+    certificate_hosts,
+    check_node_private_key,
+    check_node_public_key,
+    make_node_keys,
+    make_server_certs,
+)
+from edgefl.launcher import reach_superlink
+from edgefl.processes import LaunchError, free_port
+
+
+def test_server_certificate_is_signed_by_the_ca_for_the_given_hosts(tmp_path: Path) -> None:
+    certs = make_server_certs(tmp_path, ["192.168.1.10", "server.lan"])
+    ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
+    server = x509.load_pem_x509_certificate(certs.cert.read_bytes())
+    server.verify_directly_issued_by(ca)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert set(certificate_hosts(certs.cert)) == {"192.168.1.10", "server.lan", "localhost", "127.0.0.1"}
+    assert certs.key.stat().st_mode & 0o077 == 0
+    assert ServerCerts.in_dir(tmp_path) == certs
+
+
+def test_bad_host_and_missing_files_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(CertError, match="neither an IP address nor a host name"):
+        make_server_certs(tmp_path, ["http://x"])
+    with pytest.raises(CertError, match="edgefl certs --out"):
+        ServerCerts.in_dir(tmp_path / "nothing")
+
+
+def test_node_keys_are_openssh_ec_pairs(tmp_path: Path) -> None:
+    keys = make_node_keys(tmp_path, 2)
+    assert [k.name for k in keys] == ["node-0.key", "node-1.key"]
+    for key in keys:
+        check_node_private_key(key)
+        check_node_public_key(key.with_suffix(".pub"))
+        private = serialization.load_ssh_private_key(key.read_bytes(), password=None)
+        public = serialization.load_ssh_public_key(key.with_suffix(".pub").read_bytes())
+        assert isinstance(private, ec.EllipticCurvePrivateKey)
+        assert private.public_key().public_numbers() == public.public_numbers()
+    assert keys[0].read_bytes() != keys[1].read_bytes()
+    with pytest.raises(CertError, match="not an OpenSSH public key"):
+        check_node_public_key(keys[0])
+    with pytest.raises(CertError, match="at least 1"):
+        make_node_keys(tmp_path, 0)
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[str, ServerCerts]]:
+    """A TLS listener on loopback with a lab certificate, completing handshakes until the test ends."""
+    certs = make_server_certs(tmp_path / "lab", [])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.cert, certs.key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                with context.wrap_socket(conn, server_side=True):
+                    pass
+            except (ssl.SSLError, OSError):
+                conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}", certs
+    stop.set()
+    listener.close()
+    thread.join(timeout=5)
+
+
+def test_reach_superlink_verifies_the_server_certificate(tls_server: tuple[str, ServerCerts], tmp_path: Path) -> None:
+    address, certs = tls_server
+    reach_superlink(address, certs.ca, timeout_s=5)
+    other = make_server_certs(tmp_path / "other", [])
+    with pytest.raises(LaunchError, match="does not verify"):
+        reach_superlink(address, other.ca, timeout_s=5)
+    with pytest.raises(LaunchError, match="cannot use"):
+        reach_superlink(address, tmp_path / "missing.pem", timeout_s=5)
+
+
+def test_reach_superlink_gives_up_after_the_bounded_wait() -> None:
+    with pytest.raises(LaunchError, match=r"cannot reach the SuperLink .* in 1 s"):
+        reach_superlink(f"127.0.0.1:{free_port()}", None, timeout_s=1)

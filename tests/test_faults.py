@@ -1,0 +1,370 @@
+"""Faults a federation must survive: clients that vanish and come back (under a new node id), a server killed and
+resumed from its checkpoint, and links that go down, lose packets or stall.
+
+The engine and link-model tests are plain and fast. The federation tests run real Flower processes; those over
+the namespaced testbed need root. Every test checks that it leaves no process, namespace or qdisc behind."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyroute2 import IPRoute, netns
+
+from edge.protocol import call_agent
+from edgefl.config import RunConfig, build_config, save_config
+from edgefl.launcher import LocalFederation, _flower_env, follow, placement_for, prepare_run_dir
+from edgefl.processes import ProcessGroup
+from fl_server.results import (
+    ROUNDS,
+    load_checkpoint,
+    read_checkpoint,
+    read_rounds,
+    save_checkpoint,
+    truncate_rounds,
+)
+from netem.profiles import LinkProfile
+from netem.testbed import Testbed
+from netem.tunlink import DelayLine, inject
+from strategies.codecs import make_client_codec
+from strategies.rounds import Contribution, RoundEngine
+from tests.conftest import edgefl, processes_of, start_edgefl
+
+LAYOUT = (("w", (2,)),)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+
+# ----- the engine: nodes that come and go ------------------------------------------------------------------
+def _update(values: list[float], round_: int) -> Contribution:
+    stype, payload = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
+    return Contribution(round_, 1, stype, payload)
+
+
+def test_a_partition_back_under_a_new_node_id_cannot_contribute_a_round_twice() -> None:
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=3, num_clients=2, delay=1)
+    engine.next_request(10)
+    assert engine.receive(10, [_update([1, 1], 1)], partition=0) == []
+    engine.retire(10)  # its SuperNode died; it comes back as node 11, same partition
+    fresh = engine.next_request(11)
+    assert fresh is not None and fresh.global_round == 0 and fresh.next_round == 1  # a fresh client
+    [repeat] = engine.receive(11, [_update([5, 5], 1), _update([2, 2], 2)], partition=0)
+    assert repeat.round == 1 and repeat.client == 0 and repeat.reason.startswith("repeated")
+    engine.next_request(20)
+    assert engine.receive(20, [_update([3, 3], 1)], partition=1) == []
+    [closed] = engine.close_rounds(now=0.0)
+    assert closed.clients == [0, 1]
+    np.testing.assert_allclose(closed.global_params, [2, 2])  # (1 + 3) / 2: the repeat was not counted
+
+
+def test_a_retired_nodes_messages_in_flight_are_forgotten() -> None:
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=4, num_clients=2, delay=1)
+    assert engine.next_request(1) is not None and engine.next_request(1) is not None
+    assert engine.next_request(1) is None  # two messages in flight: the limit
+    engine.retire(1)
+    again = engine.next_request(1)  # the same id seen anew starts from nothing in flight, with the global model
+    assert again is not None and again.global_round == 0
+
+
+def test_a_client_whose_update_came_late_is_asked_for_the_newest_round() -> None:
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=6, num_clients=2, delay=1, quorum=0.5, deadline_s=1)
+    engine.start_clock(0.0)
+    engine.next_request(1)
+    engine.next_request(2)
+    assert engine.receive(1, [_update([1, 1], 1)], partition=0) == []
+    assert [c.round for c in engine.close_rounds(now=5.0)] == [1]  # at its deadline, without client 2
+    [late] = engine.receive(2, [_update([1, 1], 1)], partition=1)
+    assert late.reason.startswith("late")
+    catch_up = engine.next_request(2)
+    # Round 2 will close before its reply arrives: it trains round 3, the newest the global model of 1 allows.
+    assert catch_up is not None and catch_up.global_round == 1 and catch_up.next_round == 3
+
+
+def test_a_failed_message_sends_the_global_model_again() -> None:
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=2, num_clients=1)
+    first = engine.next_request(1)
+    assert first is not None and first.global_round == 0
+    engine.fail(1)  # e.g. the ClientApp could not reach its agent: the model may never have arrived
+    retry = engine.next_request(1)
+    assert retry is not None and retry.global_round == 0 and retry.global_params is not None
+
+
+# ----- checkpoints and rounds.jsonl ------------------------------------------------------------------------
+def test_checkpoint_holds_what_resume_needs(tmp_path: Path) -> None:
+    assert read_checkpoint(tmp_path) is None
+    params = np.arange(6, dtype=np.float32)
+    save_checkpoint(tmp_path, 4, params, wall_s=12.5, recent_norms=[0.5, 0.25])
+    checkpoint = read_checkpoint(tmp_path)
+    assert checkpoint.round == 4 and checkpoint.wall_s == 12.5
+    np.testing.assert_array_equal(checkpoint.params, params)
+    np.testing.assert_array_equal(checkpoint.recent_norms, [0.5, 0.25])
+    round_, model = load_checkpoint(tmp_path)
+    assert round_ == 4 and np.array_equal(model, params)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.npz"]  # no temporary file left
+
+
+def test_rows_after_the_checkpoint_and_a_torn_line_are_cut(tmp_path: Path) -> None:
+    rows = [json.dumps({"round": r}) for r in (1, 2, 3)]
+    (tmp_path / ROUNDS).write_text("\n".join(rows) + '\n{"round": 4, "wal')  # killed mid-write
+    truncate_rounds(tmp_path, 2)
+    assert [r["round"] for r in read_rounds(tmp_path)] == [1, 2]
+
+
+# ----- the user-space link's faults ------------------------------------------------------------------------
+@pytest.fixture
+def wire() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A datagram socket pair stands in for the TUN device a DelayLine writes to (no root needed)."""
+    sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    receiver.setblocking(False)
+    with sender, receiver:
+        yield sender, receiver
+
+
+def test_a_loss_burst_drops_its_fraction_then_ends(wire) -> None:
+    line = DelayLine(LinkProfile(delay_ms=0.0), wire[0].fileno(), random.Random(7))
+    inject("loss 20 10", [line], now=100.0)
+    for _ in range(5000):
+        line.push(b"x", now=105.0)
+    assert 0.17 < 1 - len(line.queue) / 5000 < 0.23
+    line.queue.clear()
+    for _ in range(1000):
+        line.push(b"x", now=110.5)  # the burst is over
+    assert len(line.queue) == 1000
+
+
+def test_a_stall_holds_everything_then_releases_it_in_order(wire) -> None:
+    sender, receiver = wire
+    line = DelayLine(LinkProfile(delay_ms=10.0), sender.fileno(), random.Random(1))
+    line.push(b"a", now=0.0)
+    inject("stall 5", [line], now=0.001)
+    line.push(b"b", now=1.0)
+    assert line.next_release() == pytest.approx(5.001)
+    line.release(now=4.9)
+    with pytest.raises(BlockingIOError):
+        receiver.recv(8)
+    line.release(now=5.1)
+    assert [receiver.recv(8), receiver.recv(8)] == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("command", ["loss 20", "loss 120 5", "stall -1", "stall x", "reboot"])
+def test_malformed_fault_commands_are_refused(wire, command: str) -> None:
+    line = DelayLine(LinkProfile(delay_ms=0.0), wire[0].fileno(), random.Random(1))
+    with pytest.raises(ValueError):
+        inject(command, [line], now=0.0)
+
+
+# ----- federations -----------------------------------------------------------------------------------------
+FAST = {"dataset": "digits", "partition": "iid", "local_steps": 5}
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """rounds.jsonl as far as it is written (a row being appended is read on the next poll)."""
+    try:
+        return read_rounds(run_dir)
+    except json.JSONDecodeError:
+        return []
+
+
+def wait_for_rows(run_dir: Path, ready: Callable[[list[dict]], bool], what: str, timeout_s: float = 180) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while not ready(rows := _rows(run_dir)):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s; rows {rows}"
+        assert not (run_dir / "summary.json").exists(), f"{what}: the run ended first; rows {rows}"
+        time.sleep(0.2)
+    return rows
+
+
+def _efl_namespaces() -> set[str]:
+    return {name for name in netns.listnetns() if name.startswith("efl-")}
+
+
+def _efl_host_links() -> set[str]:
+    """The testbed's devices (veths, TUNs, ifbs, each with its qdiscs) that are in the host's namespace."""
+    with IPRoute() as ip:
+        return {name for link in ip.get_links() if (name := link.get_attr("IFLA_IFNAME")).startswith("efl")}
+
+
+@contextlib.contextmanager
+def federation(config: RunConfig) -> Iterator[tuple[Testbed, ProcessGroup, Path]]:
+    """What ``edgefl run`` does, in this process, so that the test holds the testbed and the processes (to take
+    links down and to kill and restart clients); ``follow`` then waits for the end."""
+    run_dir = prepare_run_dir(config)
+    with placement_for(config) as place:
+        config = dataclasses.replace(config, link_backend=place.backend)
+        save_config(config, run_dir / "config.toml")
+        with contextlib.ExitStack() as caps, ProcessGroup(run_dir / "logs", _flower_env(run_dir)) as procs:
+            local = LocalFederation(config, run_dir, place, procs, caps)
+            local.submit(local.start())
+            yield place.testbed, procs, run_dir
+
+
+def _finish(config: RunConfig, procs: ProcessGroup, run_dir: Path) -> list[dict]:
+    follow(config, run_dir, procs, lambda line: None)
+    rows = read_rounds(run_dir)
+    assert [r["round"] for r in rows] == list(range(1, config.rounds + 1))
+    return rows
+
+
+@pytest.fixture
+def clean_testbed() -> Iterator[None]:
+    """The test leaves no namespace behind, nor a device (with its qdiscs) on the host."""
+    namespaces, links = _efl_namespaces(), _efl_host_links()
+    yield
+    assert _efl_namespaces() == namespaces, "namespaces left behind"
+    assert _efl_host_links() == links, "devices left behind on the host"
+
+
+def _testbed_config(run_dir: Path, **settings) -> RunConfig:
+    values = {**FAST, "strategy": "dga:1", "clients": 3, "quorum": 0.6, "round_deadline_s": 8.0}
+    return build_config(**values, profile="home-wifi", out=str(run_dir), **settings)
+
+
+def _restart(procs: ProcessGroup, killed: dict[str, object]) -> None:
+    """Start a killed client again as its device would (same partition, same namespace): agent, then SuperNode."""
+    agent_argv = killed["agent"].args
+    socket_path = agent_argv[agent_argv.index("--socket") + 1]
+    agent = procs.start("agent-restarted", agent_argv)
+    deadline = time.monotonic() + 90
+    while not _pong(socket_path):  # not procs.wait_until: that fails on the killed processes still listed
+        assert agent.poll() is None and time.monotonic() < deadline, "the restarted agent did not come up"
+        time.sleep(0.2)
+    procs.start("supernode-restarted", killed["supernode"].args)
+
+
+def _pong(socket_path: str) -> bool:
+    try:
+        return "pong" in call_agent(socket_path, {"op": "ping"}, b"", timeout_s=2.0)[0]
+    except OSError:
+        return False
+
+
+@pytest.mark.federation
+@pytest.mark.root
+@needs_root
+def test_a_client_killed_mid_run_rejoins_under_a_new_node_id(run_dir: Path, clean_testbed: None) -> None:
+    config = _testbed_config(run_dir, rounds=14)
+    with federation(config) as (_, procs, run_dir):
+        wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
+        named = dict(procs.procs)
+        killed = {"agent": named["agent-2"], "supernode": named["supernode-2"]}
+        for proc in killed.values():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        killed_after = len(_rows(run_dir))
+        # The run goes on without it: rounds close at their deadline with the quorum.
+        wait_for_rows(run_dir, lambda rows: any(r["closed_by"] == "deadline" for r in rows[killed_after:]), "quorum")
+        restarted_after = len(_rows(run_dir))
+        _restart(procs, killed)
+        rows = _finish(config, procs, run_dir)
+    assert any(2 not in r["clients"] for r in rows[killed_after : restarted_after + 1])
+    assert any(2 in r["clients"] for r in rows[restarted_after + 1 :]), "the restarted client never contributed"
+    assert all(len(r["clients"]) >= 2 and len(set(r["clients"])) == len(r["clients"]) for r in rows)
+    assert "joined" in (run_dir / "server.log").read_text()
+
+
+@pytest.mark.federation
+@pytest.mark.root
+@needs_root
+def test_a_client_whose_link_is_down_for_20_s_rejoins(run_dir: Path, clean_testbed: None) -> None:
+    config = _testbed_config(run_dir, rounds=24)
+    with federation(config) as (testbed, procs, run_dir):
+        wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
+        testbed.set_link_up(1, False)
+        down_at, down_after = time.monotonic(), len(_rows(run_dir))
+        # The outage lasts 20 s and at least one round closes without client 1 meanwhile.
+        wait_for_rows(
+            run_dir,
+            lambda rows: time.monotonic() - down_at >= 20 and any(1 not in r["clients"] for r in rows[down_after:]),
+            "20 s without client 1",
+        )
+        testbed.set_link_up(1, True)
+        up_after = len(_rows(run_dir))
+        wait_for_rows(run_dir, lambda rows: any(1 in r["clients"] for r in rows[up_after:]), "client 1 back", 120)
+        rows = _finish(config, procs, run_dir)
+    assert any(1 not in r["clients"] for r in rows[down_after:up_after])
+
+
+@pytest.mark.federation
+@pytest.mark.root
+@needs_root
+def test_a_loss_burst_and_a_stall_slow_their_client_not_the_run(run_dir: Path, clean_testbed: None) -> None:
+    config = _testbed_config(run_dir, rounds=12)
+    with federation(config) as (testbed, procs, run_dir):
+        before = wait_for_rows(run_dir, lambda rows: len(rows) >= 3, "round 3")
+        testbed.loss_burst(0, 20, seconds=15)
+        testbed.stall(1, seconds=5)
+        burst_after = len(before)
+        rows = _finish(config, procs, run_dir)
+    walls = [r["wall_s"] for r in rows]
+    normal_gap = max(np.diff(walls[:burst_after]))
+    burst_gaps = np.diff(walls[burst_after - 1 :])
+    # No round waits on the slowed clients for longer than its deadline (plus an ordinary round's time).
+    assert max(burst_gaps) <= config.round_deadline_s + 2 * normal_gap + 1.0, (list(burst_gaps), normal_gap)
+    assert all(len(r["clients"]) >= 2 for r in rows)
+    for client in (0, 1):  # slowed, not lost: each contributes again after its fault began
+        assert any(client in r["clients"] for r in rows[burst_after:]), client
+
+
+# ----- the server killed and resumed ----------------------------------------------------------------------
+def _kill_everything(launcher, run_dir: Path) -> None:
+    """kill -9 the launcher and every process of the run, as a power cut would; wait until they are gone."""
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    victims = [int(line.split()[0]) for line in processes_of(run_dir)]
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while processes_of(run_dir):
+        assert time.monotonic() < deadline, processes_of(run_dir)
+        time.sleep(0.1)
+
+
+@pytest.mark.federation
+def test_a_server_killed_mid_run_resumes_from_its_checkpoint(run_dir: Path, tmp_path: Path) -> None:
+    rounds = 8
+    args = ["--strategy", "dga:1", "--dataset", "digits", "--partition", "iid", "--clients", "2",
+            "--rounds", str(rounds), "--local-steps", "5"]  # fmt: skip
+    baseline = tmp_path / "baseline"
+    done = edgefl("run", *args, "--out", str(baseline))
+    assert done.returncode == 0, done.stderr
+    launcher = start_edgefl("run", *args, "--out", str(run_dir))
+    try:
+        wait_for_rows(run_dir, lambda rows: len(rows) >= 3, "round 3")
+    finally:
+        _kill_everything(launcher, run_dir)
+    killed_at = read_checkpoint(run_dir).round
+    assert 3 <= killed_at < rounds
+    done = edgefl("run", "--resume", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    rows = read_rounds(run_dir)
+    assert [r["round"] for r in rows] == list(range(1, rounds + 1))
+    assert all(rows[i]["wall_s"] < rows[i + 1]["wall_s"] for i in range(rounds - 1))  # the clock went on
+    # Close to the uninterrupted run (the last rounds' mean: single rounds are noisy) and still learning after
+    # the restart, which retrained the rounds in flight from the checkpointed model.
+    resumed, uninterrupted = (np.mean([r["test_accuracy"] for r in rs[-2:]]) for rs in (rows, read_rounds(baseline)))
+    assert abs(resumed - uninterrupted) < 0.15, (resumed, uninterrupted)
+    assert rows[-1]["test_accuracy"] > rows[killed_at - 1]["test_accuracy"] - 0.05
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == rounds and summary["final_accuracy"] == rows[-1]["test_accuracy"]
+
+
+def test_resume_needs_an_unfinished_run_with_a_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(build_config(**FAST, out=str(run)), run / "config.toml")
+    done = edgefl("run", "--resume", str(run))
+    assert done.returncode == 2 and "nothing to resume" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    done = edgefl("run", "--resume", str(tmp_path / "missing"))
+    assert done.returncode == 2 and "does not exist" in done.stderr

@@ -1,0 +1,227 @@
+"""Devices joining a remote server on loopback: ``edgefl server`` (Flower's SuperLink with TLS and node
+authentication), ``edgefl client`` per device (edge agent + SuperNode), runs submitted with
+``edgefl run --federation remote``; a server crash and restart; refusals and bad input as one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from edgefl.cli import build_parser
+from edgefl.processes import free_port, process_tree
+from edgefl.remote import ClientSpec, systemd_unit
+from tests.conftest import REPO, edgefl, processes_of
+
+FAST = ["--dataset", "digits", "--partition", "iid", "--clients", "2", "--rounds", "2", "--local-steps", "3"]
+WAIT_S = 120.0
+
+
+class Command:
+    """An ``edgefl`` command running in the background, its output lines collected as they come."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout_s: float = WAIT_S) -> str:
+        """The next output line matching ``pattern``; fails if the command exits or the time runs out first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.seen}"
+                continue
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+        raise AssertionError(f"no line matching {pattern!r} within {timeout_s:.0f} s: {self.seen}")
+
+    def kill_tree(self) -> None:
+        """SIGKILL the command and everything it started, as a crash of its machine would."""
+        tree = process_tree([self.proc.pid])
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def interrupt(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgefl: error: "), done.stderr
+    assert needle in lines[0], lines[0]
+
+
+def _start_server(certs: Path, port: int, out: Path) -> tuple[Command, str]:
+    """``edgefl server`` admitting node-0 and node-1; returns it and the client command line it printed."""
+    server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(out),
+                     "--auth-keys", str(certs / "node-0.pub"), str(certs / "node-1.pub"))  # fmt: skip
+    server.wait_for("each device joins with")
+    return server, server.wait_for(r"^\s+edgefl client ").strip()
+
+
+@pytest.mark.federation
+def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_refused(tmp_path: Path) -> None:
+    certs, port = tmp_path / "certs", free_port()
+    assert edgefl("certs", "--out", str(certs), "--node-keys", "3").returncode == 0
+    server_dir = tmp_path / "server"
+    server, join_line = _start_server(certs, port, server_dir)
+    clients = []
+    try:
+        for i in range(2):  # the exact line the server printed, with I and N filled in
+            argv = shlex.split(join_line.replace("node-I", f"node-{i}").replace(" I ", f" {i} ").replace(" N", " 2"))
+            assert argv[:2] == ["edgefl", "client"] and "--root-cert" in argv and "--auth-key" in argv
+            clients.append(Command(*argv[1:], "--dataset", "digits", "--out", str(tmp_path / f"client-{i}")))
+        for client in clients:
+            client.wait_for(f"joined 127.0.0.1:{port}")
+        remote = ["--federation", "remote", "--server", f"127.0.0.1:{port}", "--root-cert", str(certs / "ca.pem")]
+        first = edgefl("run", *FAST, *remote, "--out", str(tmp_path / "run-1"), timeout=300)
+        assert first.returncode == 0, first.stderr
+        rows = [json.loads(line) for line in (tmp_path / "run-1" / "rounds.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [1, 2] and all(r["clients"] == [0, 1] for r in rows)
+
+        # A node whose key the server does not know is refused, in the client's one line and in the server's log.
+        stranger = edgefl("client", "--server", f"127.0.0.1:{port}", "--root-cert", str(certs / "ca.pem"),
+                          "--partition-id", "0", "--num-partitions", "2", "--dataset", "digits",
+                          "--auth-key", str(certs / "node-2.key"), "--out", str(tmp_path / "stranger"))  # fmt: skip
+        _one_line_error(stranger, "refused this SuperNode")
+        server.wait_for("refused a SuperNode")
+        assert "No SuperNode found with the given public key" in (server_dir / "logs" / "superlink.log").read_text()
+
+        # The server's machine crashes and comes back on the same port: the clients' SuperNodes rejoin.
+        server.kill_tree()
+        server, _ = _start_server(certs, port, server_dir)
+        for client in clients:
+            client.wait_for(f"joined 127.0.0.1:{port}")
+        second = edgefl("run", *FAST, *remote, "--out", str(tmp_path / "run-2"), timeout=300)
+        assert second.returncode == 0, second.stderr
+        assert "round   2/2" in second.stdout
+    finally:
+        for command in [*clients, server]:
+            if command.proc.poll() is None:
+                assert command.interrupt() == 130
+    for folder in ("server", "client-0", "client-1", "stranger", "run-1", "run-2"):
+        assert not processes_of(tmp_path / folder), folder
+
+
+@pytest.mark.federation
+def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path) -> None:
+    certs, other, port = tmp_path / "certs", tmp_path / "other", free_port()
+    for folder in (certs, other):
+        assert edgefl("certs", "--out", str(folder)).returncode == 0
+    server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(tmp_path / "s"))
+    try:
+        server.wait_for("each device joins with")
+        wrong = ["--server", f"127.0.0.1:{port}", "--root-cert", str(other / "ca.pem")]
+        client = edgefl("client", *wrong, "--partition-id", "0", "--num-partitions", "2", "--dataset", "digits",
+                        "--out", str(tmp_path / "c"))  # fmt: skip
+        _one_line_error(client, "does not verify")
+        run = edgefl("run", *FAST, "--federation", "remote", *wrong, "--out", str(tmp_path / "r"))
+        _one_line_error(run, "does not verify")
+    finally:
+        assert server.interrupt() == 130
+    for folder in ("s", "c", "r"):
+        assert not processes_of(tmp_path / folder)
+
+
+CLIENT = ["client", "--insecure", "--num-partitions", "2", "--dataset", "digits"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ([*CLIENT, "--server", "localhost", "--partition-id", "0"], "is not HOST:PORT"),
+        ([*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "2"], "--partition-id must be in 0..1"),
+        ([*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "0", "--connect-timeout", "1"], "cannot reach"),
+        ([*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "0", "--auth-key", "k"], "needs TLS"),
+        (
+            [
+                "client",
+                "--server",
+                "127.0.0.1:9",
+                "--partition-id",
+                "0",
+                "--num-partitions",
+                "2",
+                "--insecure",
+                "--dataset",
+                "mnist",
+            ],
+            "mnist needs --data-dir",
+        ),
+        (["client", "--server", "127.0.0.1:9", "--partition-id", "0", "--num-partitions", "2"], "--root-cert"),
+        (["run", *FAST, "--federation", "remote", "--server", "127.0.0.1:9", "--insecure"], "cannot reach"),
+        (["run", *FAST, "--federation", "remote", "--server", "127.0.0.1:9"], "--root-cert"),
+        (["run", *FAST, "--server", "127.0.0.1:9"], "are for --federation remote"),
+        (["server", "--listen", "127.0.0.1:9", "--insecure", "--auth-keys", "a.pub"], "needs TLS"),
+        (["server", "--listen", "127.0.0.1:9"], "--certs DIR"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: list[str], needle: str, tmp_path: Path) -> None:
+    done = edgefl(*args, "--out", str(tmp_path / "out"), timeout=120)
+    _one_line_error(done, needle)
+    assert not processes_of(tmp_path / "out")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the client as an unprivileged user: needs root to switch")
+def test_device_profile_without_cgroup_permission_fails_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    client = [*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "0", "--device-profile", "rpi4", "--out", str(out)]
+    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "edgefl.cli", *client]
+    with tempfile.TemporaryDirectory() as home:  # where the unprivileged user may write (matplotlib's cache)
+        Path(home).chmod(0o777)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, cwd=REPO, timeout=120, env={**os.environ, "HOME": home}
+        )
+    _one_line_error(done, "device profiles need root")
+    assert not out.exists()
+
+
+def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").write_text("")
+    spec = ClientSpec("10.0.0.5:9092", 1, 4, tmp_path / "ca.pem", tmp_path / "node-1.key", "digits",
+                      device_profile="rpi4", out=tmp_path / "client")  # fmt: skip
+    unit = systemd_unit(spec)
+    lines = unit.splitlines()
+    assert "After=network-online.target" in lines and "Wants=network-online.target" in lines
+    assert "Restart=on-failure" in lines and "WantedBy=multi-user.target" in lines
+    exec_start = shlex.split(next(line for line in lines if line.startswith("ExecStart="))[len("ExecStart=") :])
+    assert exec_start[:3] == [sys.executable, "-m", "edgefl.cli"]
+    args = build_parser().parse_args(exec_start[3:])
+    assert args.command == "client" and args.install_systemd is None
+    assert (args.server, args.partition_id, args.num_partitions) == ("10.0.0.5:9092", 1, 4)
+    assert (args.root_cert, args.auth_key, args.out) == (spec.root_cert, spec.auth_key, spec.out)
+    assert (args.dataset, args.device_profile, args.insecure) == ("digits", "rpi4", False)
+
+
+def test_install_systemd_writes_the_unit_and_starts_nothing(tmp_path: Path) -> None:
+    unit = tmp_path / "edgefl-client-0.service"
+    done = edgefl("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0", "--num-partitions", "2",
+                  "--dataset", "digits", "--out", str(tmp_path / "c"), "--install-systemd", str(unit))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "systemctl enable --now edgefl-client-0.service" in done.stdout
+    assert "ExecStart=" in unit.read_text() and "--insecure" in unit.read_text()
+    assert not (tmp_path / "c").exists()

@@ -1,0 +1,98 @@
+"""Robust aggregation (``--aggregate``): Flower's median, trimmed mean and Krum through fl_server.robust, on hand
+examples, inside the round engine, and as a config setting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgefl.config import ConfigError, build_config
+from fl_server.robust import AggregateError, make_aggregator
+from strategies.codecs import make_client_codec
+from strategies.rounds import Contribution, RoundEngine
+
+LAYOUT = (("w", (3,)),)
+
+
+def _updates(*rows: list[float]) -> list[tuple[np.ndarray, int]]:
+    return [(np.array(row, dtype=np.float32), 10 * (k + 1)) for k, row in enumerate(rows)]
+
+
+def test_mean_is_the_engines_own_streaming_mean() -> None:
+    assert make_aggregator("mean") is None
+
+
+def test_median_per_coordinate() -> None:
+    median = make_aggregator("median")
+    result = median(_updates([1, 10, -1], [2, 30, -3], [3, 20, -2]))
+    np.testing.assert_array_equal(result, [2, 20, -2])
+    assert result.dtype == np.float32
+
+
+def test_trimmed_mean_drops_the_extremes_of_each_coordinate() -> None:
+    rows = [[1, 0, 5], [2, 0, 5], [3, 0, 5], [4, 0, 5], [100, -100, 5]]
+    trimmed = make_aggregator("trimmed-mean:0.2")(_updates(*rows))
+    # 20 % of 5 values: one cut at each end of every coordinate.
+    np.testing.assert_allclose(trimmed, [3, 0, 5])
+    untrimmed = make_aggregator("trimmed-mean:0")(_updates(*rows))
+    np.testing.assert_allclose(untrimmed, np.mean(rows, axis=0))
+
+
+def test_krum_picks_the_update_closest_to_its_neighbours() -> None:
+    rows = [[1.0, 1.0, 1.0], [1.1, 0.9, 1.0], [0.9, 1.0, 1.1], [1.0, 1.1, 0.9], [50.0, -50.0, 50.0]]
+    chosen = make_aggregator("krum:1")(_updates(*rows))
+    assert any(np.array_equal(chosen, np.float32(row)) for row in rows[:4])
+    # With every honest update at the same point, that point wins outright.
+    same = make_aggregator("krum:1")(_updates([2, 2, 2], [2, 2, 2], [2, 2, 2], [2, 2, 2], [-9, 9, -9]))
+    np.testing.assert_array_equal(same, [2, 2, 2])
+
+
+def test_a_poisoned_client_does_not_move_the_median_but_moves_the_mean() -> None:
+    honest = [[0.1, -0.2, 0.3], [0.2, -0.1, 0.1], [0.3, -0.3, 0.2]]
+    clean = make_aggregator("median")(_updates(*honest))
+    # A fourth client that is as far off as it likes: the median of 4 stays within the honest values' range.
+    poisoned = make_aggregator("median")(_updates(*honest, [1e6, -1e6, 1e6]))
+    low, high = np.min(honest, axis=0), np.max(honest, axis=0)
+    assert np.all(poisoned >= low) and np.all(poisoned <= high)
+    assert np.max(np.abs(poisoned - clean)) <= np.max(high - low)
+    assert np.max(np.abs(np.mean([*honest, [1e6, -1e6, 1e6]], axis=0))) > 1e5
+
+
+def _contribution(values: list[float]) -> Contribution:
+    stype, payload = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), 1)
+    return Contribution(1, 10, stype, payload)
+
+
+def test_the_engine_aggregates_a_round_with_the_rule() -> None:
+    engine = RoundEngine(np.zeros(3, np.float32), LAYOUT, rounds=1, num_clients=3, aggregator=make_aggregator("median"))
+    for client, values in enumerate([[1, 1, 1], [2, 2, 2], [900, 900, 900]]):
+        engine.next_request(client)
+        assert engine.receive(client, [_contribution(values)]) == []
+    [closed] = engine.close_rounds(now=0.0)
+    np.testing.assert_array_equal(closed.global_params, [2, 2, 2])
+    assert sorted(closed.clients) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("average", "unknown aggregation"),
+        ("median:3", "unknown aggregation"),
+        ("trimmed-mean", "expected trimmed-mean:VALUE"),
+        ("trimmed-mean:0.5", r"\[0, 0.5\)"),
+        ("trimmed-mean:x", "must be a number"),
+        ("krum:-1", "at least 0"),
+        ("krum:1.5", "must be an integer"),
+    ],
+)
+def test_bad_rules_are_refused_in_one_line(text: str, message: str) -> None:
+    with pytest.raises(AggregateError, match=message) as err:
+        make_aggregator(text)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=message):
+        build_config(aggregate=text)
+
+
+def test_the_rule_is_a_config_setting() -> None:
+    assert build_config().aggregate == "mean"
+    assert build_config(aggregate="krum:1").aggregate == "krum:1"

@@ -1,0 +1,95 @@
+"""Update validation: malformed updates (NaN/Inf, wrong shape) are refused by the decoders, norm outliers by
+``strategies.validation``; every refusal reaches the round engine's rejections with its reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strategies.codecs import CompressorState
+from strategies.codecs.dense import NoCompression
+from strategies.rounds import Contribution, RoundEngine
+from strategies.validation import NormOutlierFilter
+
+LAYOUT = (("w", (3,)), ("b", (2,)))
+SIZE = 5
+
+
+def _contribution(values: np.ndarray, round_: int = 1, layout=LAYOUT) -> Contribution:
+    """A dense payload as a (possibly broken) client would send it: the client codec itself refuses NaN."""
+    codec = NoCompression()
+    payload = codec.encode(values.astype(np.float32), layout, CompressorState(np.random.default_rng(0)))
+    return Contribution(round_, 10, codec.stype, payload)
+
+
+def _engine(clients: int = 4, norms: list[float] | None = None) -> RoundEngine:
+    engine = RoundEngine(
+        np.zeros(SIZE, np.float32),
+        LAYOUT,
+        rounds=3,
+        num_clients=clients,
+        validator=NormOutlierFilter(norms=norms or []),
+    )
+    for client in range(clients):
+        engine.next_request(client)
+    return engine
+
+
+def test_norm_outlier_is_refused_with_the_reason_and_others_pass() -> None:
+    rng = np.random.default_rng(0)
+    honest = [rng.normal(0, 1, SIZE) for _ in range(3)]
+    engine = _engine(norms=[float(np.linalg.norm(u)) for u in honest])
+    median = float(np.median([np.linalg.norm(u) for u in honest]))
+    poisoned = honest[0] / np.linalg.norm(honest[0]) * median * 50
+    assert engine.receive(0, [_contribution(honest[1])]) == []
+    [rejection] = engine.receive(1, [_contribution(poisoned)])
+    assert rejection.client == 1 and rejection.round == 1
+    assert rejection.reason.startswith("outlier:") and "median" in rejection.reason
+    # Just under the bound is accepted: the filter refuses outliers, not large-ish updates.
+    borderline = honest[2] / np.linalg.norm(honest[2]) * median * 9
+    assert engine.receive(2, [_contribution(borderline)]) == []
+
+
+def test_the_history_follows_accepted_norms_only() -> None:
+    check = NormOutlierFilter(norm_factor=10, history=4, min_history=2)
+    assert check.check(np.full(SIZE, 1.0)) is None  # nothing to compare with yet
+    assert check.check(np.full(SIZE, 1.0)) is None
+    assert check.check(np.full(SIZE, 100.0)) is not None
+    assert len(check.norms) == 2  # the refused norm did not enter the history
+    for _ in range(4):  # honest updates that shrink move the median with them (short history)
+        assert check.check(np.full(SIZE, 0.01)) is None
+    assert check.check(np.full(SIZE, 1.0)) is not None
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_updates_are_refused_as_malformed(bad: float) -> None:
+    engine = _engine()
+    values = np.ones(SIZE)
+    values[3] = bad
+    [rejection] = engine.receive(0, [_contribution(values)])
+    assert rejection.reason.startswith("malformed:") and "NaN or Inf" in rejection.reason
+
+
+def test_an_update_of_the_wrong_shape_is_refused_as_malformed() -> None:
+    engine = _engine()
+    [rejection] = engine.receive(0, [_contribution(np.ones(SIZE + 1), layout=(("w", (SIZE + 1,)),))])
+    assert rejection.reason.startswith("malformed:") and f"P={SIZE}" in rejection.reason
+
+
+def test_refused_updates_leave_the_aggregate_untouched() -> None:
+    engine = _engine(clients=2, norms=[1.0, 1.0, 1.0])
+    assert engine.receive(0, [_contribution(np.full(SIZE, 0.2))]) == []
+    nan = np.full(SIZE, np.nan)
+    assert engine.receive(1, [_contribution(nan)])[0].reason.startswith("malformed")
+    assert engine.close_rounds(now=0.0) == []  # the refused client does not count towards the round
+    engine.next_request(1)
+    assert engine.receive(1, [_contribution(np.full(SIZE, 0.4))]) == []
+    [closed] = engine.close_rounds(now=0.0)
+    np.testing.assert_allclose(closed.global_params, np.full(SIZE, 0.3), rtol=1e-6)
+
+
+def test_bad_filter_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="norm_factor"):
+        NormOutlierFilter(norm_factor=1.0)
+    with pytest.raises(ValueError, match="min_history"):
+        NormOutlierFilter(history=2, min_history=3)
