@@ -24,7 +24,7 @@ from sim import SimConfig, SimResult, simulate
 
 from edgefl.config import build_config
 from edgefl.launcher import run
-from edgefl.processes import interrupt_on_sigterm
+from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run
 
 CODECS = "none,topk:0.01,dgc:0.999,powersgd:2,onebit,terngrad,threshold:0.05,int8,qsgd:16"
@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("--skip-timed", action="store_true", help="only the simulation: no real runs")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-codecs"))
     args = parser.parse_args()
-    interrupt_on_sigterm()
+    interrupt_on_signals()
     args.out.mkdir(parents=True, exist_ok=True)
     codecs = args.codecs.split(",")
     torch.set_num_threads(2)

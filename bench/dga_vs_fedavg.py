@@ -19,7 +19,7 @@ from pathlib import Path
 from edgefl.compare import run_dir_for
 from edgefl.config import build_config
 from edgefl.launcher import run
-from edgefl.processes import interrupt_on_sigterm
+from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run, plot_runs, table
 
 
@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--target-accuracy", type=float, default=0.78)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-dga-vs-fedavg"))
     args = parser.parse_args()
-    interrupt_on_sigterm()
+    interrupt_on_signals()
     dgas = [f"dga:{d}" for d in args.delays.split(",")]
     plan = [(s, args.profile) for s in ("fedavg", *dgas, "flower-fedavg")] + [(s, "lan") for s in dgas]
     results = {}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from edgefl.config import build_config
 from edgefl.launcher import run
-from edgefl.processes import interrupt_on_sigterm
+from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run
 
 STRATEGIES = ("flower-fedavg", "fedavg")
@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--local-steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-fedavg-vs-flower"))
     args = parser.parse_args()
-    interrupt_on_sigterm()
+    interrupt_on_signals()
     lines = [
         "| link | Flower FedAvg s/round | edgefl FedAvg s/round | ratio (Flower / edgefl) | MB per round "
         "(Flower / edgefl) |",

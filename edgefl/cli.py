@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from edgefl.config import ConfigError, RunConfig, build_config, load_config
-from edgefl.processes import LaunchError, interrupt_on_sigterm
+from edgefl.processes import LaunchError, interrupt_on_signals
 from strategies.spec import parse_strategy
 
 EXIT_USER_ERROR = 2
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    interrupt_on_sigterm()
+    interrupt_on_signals()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

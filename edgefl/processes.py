@@ -21,9 +21,11 @@ def _raise_interrupt(*_: object) -> NoReturn:
     raise KeyboardInterrupt
 
 
-def interrupt_on_sigterm() -> None:
-    """Make SIGTERM unwind like Ctrl-C, so every ``with ProcessGroup``/``Testbed`` block stops what it started."""
+def interrupt_on_signals() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so every ``with ProcessGroup``/``Testbed`` block stops what it started;
+    SIGINT too even when started from a shell that ignores it (background jobs inherit SIG_IGN)."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class LaunchError(RuntimeError):
