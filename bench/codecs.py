@@ -20,6 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
+from results import write_result
 from sim import SimConfig, SimResult, simulate
 
 from edgefl.config import build_config
@@ -99,10 +100,8 @@ def main() -> int:
             f"| {codec} | {size:.0f} | {result.dense_bytes / size:.1f}x | {final:.4f} | {delta:+.2f} "
             f"| {max(result.accuracy):.4f} | {time_s} |"
         )
-    text = "\n".join(lines)
-    (args.out / "result.md").write_text(text + "\n")
     plot(results, args.out / "accuracy.png", f"{args.dataset} {args.partition}, {args.clients} clients")
-    print(text)
+    write_result(args.out, "\n".join(lines))
     print(f"plot: {args.out / 'accuracy.png'}")
     return 0
 

@@ -4,7 +4,7 @@ CIFAR-10, w/o → with correction: D=5 88.7→89.2, D=10 86.9→89.3, D=15 85.5�
 
 The in-process simulation with EXACT staleness of bench/sim.py: only the algorithm differs between the rows.
 
-    python bench/dga_ablation.py [--delays 2,4,8] [--rounds 40] [--partition dirichlet:0.1]
+    python bench/dga_ablation.py [--delays 2,4,8] [--rounds 40] [--partition dirichlet:0.1] [--lr-schedule cosine]
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ import time
 from pathlib import Path
 
 import torch
+from results import print_row_done, write_result
 from sim import SimConfig, simulate
+
+from edge.trainer import scheduled_lr
+from edgefl.config import LR_SCHEDULES
 
 
 def main() -> int:
@@ -28,14 +32,22 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--delays", default="2,4,8")
+    parser.add_argument("--with-correction-only", action="store_true", help="skip the rows without correction")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-dga-ablation"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     lines = [f"{args.dataset} {args.partition}, {args.clients} clients, {args.rounds} rounds x {args.local_steps} "
-             "local steps, exact staleness", "", "| strategy | final acc | best acc |", "|---|---|---|"]  # fmt: skip
-    configs = [(0, True)] + [(d, c) for d in map(int, args.delays.split(",")) for c in (False, True)]
+             f"local steps, lr {args.lr} ({args.lr_schedule}), momentum {args.momentum}, exact staleness", "",
+             "| strategy | final acc | best acc |", "|---|---|---|"]  # fmt: skip
+    corrections = (True,) if args.with_correction_only else (False, True)
+    configs = [(0, True)] + [(d, c) for d in map(int, args.delays.split(",")) for c in corrections]
+
+    def lr_at(round_: int) -> float:
+        return scheduled_lr(args.lr, args.lr_schedule, round_, args.rounds)
+
     for delay, correction in configs:
         started = time.monotonic()
         config = SimConfig(
@@ -43,15 +55,13 @@ def main() -> int:
             local_steps=args.local_steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
             seed=args.seed, delay=delay, correction=correction,
         )  # fmt: skip
-        acc = simulate(config).accuracy
+        acc = simulate(config, lr_at).accuracy
         name = (
             "fedavg (D=0)" if delay == 0 else f"dga D={delay} " + ("with" if correction else "without") + " correction"
         )
         lines.append(f"| {name} | {acc[-1]:.4f} | {max(acc):.4f} |")
-        print(f"{name}: final {acc[-1]:.4f} best {max(acc):.4f} ({time.monotonic() - started:.0f} s)", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        print_row_done(name, acc, started)
+    write_result(args.out, "\n".join(lines))
     return 0
 
 

@@ -16,6 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from results import write_result
+
 from edgefl.compare import run_dir_for
 from edgefl.config import build_config
 from edgefl.launcher import run
@@ -74,9 +76,7 @@ def main() -> int:
             f"{args.profile} / over lan = {dg['local_steps_per_s']:.1f} / {lan['local_steps_per_s']:.1f} = "
             f"{dg['local_steps_per_s'] / lan['local_steps_per_s']:.2f}",
         ]
-    text = "\n".join(lines)
-    (args.out / "result.md").write_text(text + "\n")
-    print(text)
+    write_result(args.out, "\n".join(lines))
     return 0
 
 

@@ -20,7 +20,10 @@ import time
 from pathlib import Path
 
 import torch
+from results import print_row_done, write_result
 from sim import SimConfig, simulate
+
+from strategies.codecs import CodecError
 
 
 def rows(sparsity: float, warmup: int, clip: float | None) -> list[tuple[str, str, bool]]:
@@ -72,17 +75,20 @@ def main() -> int:
             batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed, codec=codec,
             eval_every=args.eval_every,
         )  # fmt: skip
-        result = simulate(config, warmed_lr if lr_warmup else None)
+        try:
+            result = simulate(config, warmed_lr if lr_warmup else None)
+        except CodecError as exc:  # the client's codec refuses a NaN/Inf update: training diverged
+            lines.append(f"| {name} | {codec} | diverged ({exc}) | | | | |")
+            print(f"{name}: diverged ({exc})", flush=True)
+            continue
         acc, size = result.accuracy, result.bytes_per_update
         steady = sum(result.bytes_up[args.warmup_steps :]) / (len(result.bytes_up[args.warmup_steps :]) * args.clients)
         lines.append(
             f"| {name} | {codec} | {acc[-1]:.4f} | {max(acc):.4f} | {size:.0f} | {result.dense_bytes / size:.0f}x "
             f"| {result.dense_bytes / steady:.0f}x |"
         )
-        print(f"{name}: final {acc[-1]:.4f} best {max(acc):.4f} ({time.monotonic() - started:.0f} s)", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        print_row_done(name, acc, started)
+    write_result(args.out, "\n".join(lines))
     return 0
 
 

@@ -22,6 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from results import write_result
+
 from edgefl.config import build_config
 from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
@@ -66,8 +68,7 @@ def main() -> int:
         (flower, flower_mb, backend), (edgefl, edgefl_mb, _) = measured["flower-fedavg"], measured["fedavg"]
         lines.append(f"| {profile} [{backend}] | {flower:.2f} | {edgefl:.2f} | {flower / edgefl:.2f}x "
                      f"| {flower_mb:.2f} / {edgefl_mb:.2f} |")  # fmt: skip
-    print("\n".join(lines))
-    (args.out / "result.md").write_text("\n".join(lines) + "\n")
+    write_result(args.out, "\n".join(lines))
     return 0
 
 
