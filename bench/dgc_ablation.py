@@ -9,7 +9,7 @@ the clients' optimizer momentum); + momentum correction (the codec holds the mom
 over the same steps); full DGC (+ momentum factor masking). --clip adds local gradient clipping to the DGC rows.
 The in-process simulation of bench/sim.py (IID Fashion-MNIST, 4 clients by default).
 
-    python bench/dgc_ablation.py [--steps 2000] [--sparsity 0.999] [--warmup-steps 200] [--lr 0.05]
+    python bench/dgc_ablation.py [--steps 2000] [--sparsity 0.999] [--warmup-steps 200] [--lr 0.05] [--rows dense,full]
 """
 
 from __future__ import annotations
@@ -25,19 +25,22 @@ from sim import SimConfig, simulate
 
 from strategies.codecs import CodecError
 
+ROWS = ("dense", "naive", "accumulate", "momentum", "warmup", "full")
 
-def rows(sparsity: float, warmup: int, clip: float | None) -> list[tuple[str, str, bool]]:
-    """(name, uplink codec, learning-rate warm-up) per row of the ablation."""
+
+def rows(sparsity: float, warmup: int, clip: float | None, keys: list[str]) -> list[tuple[str, str, bool]]:
+    """(name, uplink codec, learning-rate warm-up) of the ablation's rows named by keys (of ROWS)."""
     extra = f":clip={clip}" if clip else ""
     dgc = f"dgc:{sparsity}"
-    return [
-        ("dense momentum SGD", "none", False),
-        ("naive top-k, no residual", f"{dgc}:naive{extra}", False),
-        ("+ local accumulation", f"{dgc}:accumulate{extra}", False),
-        ("+ momentum correction", f"{dgc}:momentum{extra}", False),
-        ("+ warm-up", f"{dgc}:warmup:warmup={warmup}{extra}", True),
-        ("full DGC (+ momentum masking)", f"{dgc}:full:warmup={warmup}{extra}", True),
-    ]
+    every = {
+        "dense": ("dense momentum SGD", "none", False),
+        "naive": ("naive top-k, no residual", f"{dgc}:naive{extra}", False),
+        "accumulate": ("+ local accumulation", f"{dgc}:accumulate{extra}", False),
+        "momentum": ("+ momentum correction", f"{dgc}:momentum{extra}", False),
+        "warmup": ("+ warm-up", f"{dgc}:warmup:warmup={warmup}{extra}", True),
+        "full": ("full DGC (+ momentum masking)", f"{dgc}:full:warmup={warmup}{extra}", True),
+    }
+    return [every[key] for key in keys]
 
 
 def main() -> int:
@@ -52,10 +55,14 @@ def main() -> int:
     parser.add_argument("--sparsity", type=float, default=0.999)
     parser.add_argument("--warmup-steps", type=int, default=200, help="sparsity and learning-rate warm-up")
     parser.add_argument("--clip", type=float, help="DGC's local gradient clipping at this global norm")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"a comma-separated subset of {','.join(ROWS)}")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-dgc-ablation"))
     args = parser.parse_args()
+    keys = args.rows.split(",")
+    if unknown := sorted(set(keys) - set(ROWS)):
+        parser.error(f"unknown rows {','.join(unknown)}; use a subset of {','.join(ROWS)}")
     torch.set_num_threads(2)
 
     def warmed_lr(step: int) -> float:
@@ -68,7 +75,7 @@ def main() -> int:
         "| method | codec | final acc | best acc | bytes / update | compression | after warm-up |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, codec, lr_warmup in rows(args.sparsity, args.warmup_steps, args.clip):
+    for name, codec, lr_warmup in rows(args.sparsity, args.warmup_steps, args.clip, keys):
         started = time.monotonic()
         config = SimConfig(
             dataset=args.dataset, partition=args.partition, clients=args.clients, rounds=args.steps, local_steps=1,
