@@ -7,7 +7,7 @@ Runs, one after another on this machine, all as real deployments in the namespac
 partition, seed, rounds and K:  edgefl fedavg, dga:D and Flower's FedAvg over ``--profile`` (default
 long-distance), then each dga:D over ``lan``.
 
-    python bench/dga_vs_fedavg.py [--delays 4,8] [--rounds 20] [--lr-schedule constant|cosine] [--target-accuracy 0.78]
+    python bench/dga_vs_fedavg.py [--delays 1,2] [--rounds 20] [--lr-schedule constant|cosine] [--target-accuracy 0.78]
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ def tail_mean(rows: list[dict], count: int = 3) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="long-distance")
-    parser.add_argument("--delays", default="8", help="DGA delays D to run, comma-separated")
+    parser.add_argument("--delays", default="2", help="DGA delays D to run, comma-separated")
     parser.add_argument("--dataset", default="fashion-mnist")
     parser.add_argument("--partition", default="dirichlet:0.3")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--local-steps", type=int, default=20)
-    parser.add_argument("--lr-schedule", default="constant", help="constant | cosine")
+    parser.add_argument("--lr-schedule", default="cosine", help="constant | cosine")
     parser.add_argument("--target-accuracy", type=float, default=0.78)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-dga-vs-fedavg"))
     args = parser.parse_args()

@@ -2,10 +2,12 @@
 the codec memory and DGA's bookkeeping, and trains continuously in a background thread.
 
 Flower's ClientApp (a fresh process per message) connects over a Unix socket with one ``train`` request per
-message: the agent takes the newest global model if one is attached, and answers with every update it has
-ready — waiting for one only while it can still train. So training goes on while messages, process start-ups
-and uploads happen, and it pauses only at DGA's staleness bound (round t needs the global model of round
-t − D − 1; D = 0 is FedAvg's lock-step).
+message: the agent takes the newest global model if one is attached, trains every round that model unlocks,
+and answers once it can train no further, with every update it has ready. A round t needs the global model of
+round t − D − 1 (DGA's staleness bound; D = 0 is FedAvg's lock-step), so a reply carries up to D + 1 rounds and
+every message round trip moves the pipeline on by D + 1 rounds: answering with the first ready round instead
+would leave the rest for the next message and make each round wait two round trips. Training goes on while
+messages, process start-ups and uploads happen; it pauses only at the staleness bound.
 
     python -m edge.agent --socket /run/edgefl/agent.sock
 """
@@ -150,9 +152,7 @@ class EdgeAgent:
                 session.dga.receive_global(header["global-round"], reference)
             session.next_round = max(session.next_round, int(header["next-round"]))
             self._cond.notify_all()
-            self._cond.wait_for(
-                lambda: session.outbox or self._error or (not session.training and not session.can_train())
-            )
+            self._cond.wait_for(lambda: self._error or (not session.training and not session.can_train()))
             if self._error:
                 return {"error": self._error}, b""
             ready, session.outbox = session.outbox, []

@@ -15,7 +15,7 @@ from edgefl.config import RunConfig
 from edgefl.launcher import run
 from edgefl.report import load_run, plot_runs, table
 
-DEFAULT_STRATEGIES = ("fedavg", "dga:8")
+DEFAULT_STRATEGIES = ("fedavg", "dga:2")
 DEFAULT_PROFILES = ("home-wifi", "long-distance")
 DEFAULTS = {
     "dataset": "fashion-mnist",
@@ -23,6 +23,7 @@ DEFAULTS = {
     "clients": 4,
     "rounds": 20,
     "local_steps": 20,
+    "lr_schedule": "cosine",
     "target_accuracy": 0.78,
     "out": "runs/compare",
 }

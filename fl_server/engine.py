@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,6 +58,7 @@ log = logging.getLogger("edgefl.server")
 POLL_S = 0.02
 NODE_WAIT_S = 180.0
 NODE_REFRESH_S = 1.0
+EVALUATION_NICE = 19
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> list[int]:
@@ -76,6 +79,13 @@ def evaluation_sample(x: np.ndarray, y: np.ndarray, count: int, seed: int) -> tu
     return x[idx], y[idx]
 
 
+def _yield_cpu() -> None:
+    """Run the calling thread at the lowest CPU priority (Linux nice is per thread). Evaluation is off the
+    rounds' critical path — a round's wall time is taken when it closes — so on a host shared with clients
+    it should use only CPU they leave idle, not slow their training."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), EVALUATION_NICE)
+
+
 class Evaluator:
     """Evaluates the global model of each closed round on the test split, appends its rounds.jsonl row, then
     writes its checkpoint (so rows never lag behind the checkpoint)."""
@@ -86,7 +96,7 @@ class Evaluator:
         self.x, self.y = evaluation_sample(*test, config.eval_examples, config.seed)
         self.model = build_model(self.dataset, config.seed)
         self.run_dir = run_dir
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluate")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluate", initializer=_yield_cpu)
 
     def submit(self, row: dict[str, Any], checkpoint: Checkpoint) -> None:
         self._pool.submit(self._evaluate, row, checkpoint)

@@ -6,8 +6,10 @@ message and each reply into ``Contribution``s.
 
 Every message to a client carries the newest global model (when the client does not have it yet) and asks
 for the updates it has ready. A client may train round t once it holds the global model of round t − D − 1,
-so with D ≥ 1 the engine keeps a second message queued per client: the client then never waits on the
-server between messages, and keeps training while its updates travel.
+so a message that brings the global model of round a lets it train up to round a + D + 1, and its reply
+carries all of those rounds (the edge agent answers once it can train no further). One message per client is
+in flight: a second one queued behind it would reach the client before the reply it answers has been
+aggregated, bring nothing new, and cost a ClientApp process for an empty reply.
 
 A round closes when every client has contributed, or — stragglers — once ``quorum`` of the clients have and
 ``deadline_s`` has passed since it became the oldest open round. A contribution is accepted once: late
@@ -33,8 +35,6 @@ import numpy as np
 from strategies.codecs import Layout, MalformedUpdate, server_compressor
 from strategies.fedavg import WeightedMean, apply_update
 from strategies.validation import NormOutlierFilter
-
-MAX_IN_FLIGHT = 2
 
 Aggregator = Callable[[list[tuple[np.ndarray, int]]], np.ndarray]
 """A round's (dense update, num_examples) pairs → the update applied to the global model."""
@@ -85,7 +85,7 @@ class ClosedRound:
 class _Client:
     delivered: int = -1  # newest global round sent to it (−1: nothing yet)
     received: int = 0  # newest round it contributed
-    in_flight: int = 0
+    in_flight: bool = False
     resend_global: bool = False  # a message to it failed: it may not hold the global model it was sent
     behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
 
@@ -138,19 +138,19 @@ class RoundEngine:
         self._oldest_open_since = now
 
     def next_request(self, client: int) -> Request | None:
-        """The message to send ``client`` now, or None when one would not let it make progress."""
+        """The message to send ``client`` now, or None while one is in flight or one would not let it make
+        progress."""
         c = self._clients.setdefault(client, _Client())
-        if self.done or c.in_flight >= MAX_IN_FLIGHT:
+        if self.done or c.in_flight:
             return None
         frontier = min(self.rounds, self.aggregated + self.delay + 1)
         next_round = max(c.received, self.aggregated) + 1
         if c.behind:  # skip the rounds that will close before its reply arrives, so that it catches up
             next_round = max(next_round, frontier)
         new_global = self.aggregated > c.delivered or c.resend_global
-        # Every message in flight returns at least one update, so only ask for updates it can still train.
-        if not new_global and frontier - next_round + 1 <= c.in_flight:
+        if not new_global and next_round > frontier:  # nothing new to train from
             return None
-        c.in_flight += 1
+        c.in_flight = True
         if not new_global:
             return Request(next_round, frontier, None, None)
         held_round = -1 if c.resend_global else c.delivered
@@ -162,7 +162,7 @@ class RoundEngine:
         """Take one reply's updates; returns what was refused and why. ``partition`` (the reply's partition id;
         the node id when None) is what an update is accepted once per round for, and what closed rounds list."""
         c = self._clients.setdefault(client, _Client())
-        c.in_flight = max(0, c.in_flight - 1)
+        c.in_flight = False
         source = client if partition is None else partition
         rejections = []
         for item in contributions:
@@ -174,7 +174,7 @@ class RoundEngine:
     def fail(self, client: int) -> None:
         """A message to ``client`` came back as an error: it may not have the global model, so send it again."""
         c = self._clients.setdefault(client, _Client())
-        c.in_flight = max(0, c.in_flight - 1)
+        c.in_flight = False
         c.resend_global = True
 
     def retire(self, client: int) -> None:

@@ -29,12 +29,27 @@ def test_fedavg_lock_step_and_example_weighted_mean() -> None:
     assert second is not None and second.global_round == 1 and second.next_round == 2
 
 
-def test_dga_keeps_two_messages_in_flight_and_sends_the_model_once() -> None:
+def test_dga_asks_for_d_plus_one_rounds_per_message_one_message_at_a_time() -> None:
     engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=1, delay=3)
-    a, b = engine.next_request(7), engine.next_request(7)
-    assert a is not None and a.global_round == 0 and a.last_round == 4
-    assert b is not None and b.global_params is None  # same model: not sent twice
-    assert engine.next_request(7) is None  # at most two in flight
+    first = engine.next_request(7)
+    assert first is not None and first.global_round == 0 and (first.next_round, first.last_round) == (1, 4)
+    assert engine.next_request(7) is None  # one message in flight
+    engine.receive(7, [_update([1, 1, 1, 1], r) for r in (1, 2)])  # it answered before training rounds 3, 4
+    assert [c.round for c in engine.close_rounds(now=0)] == [1, 2]
+    second = engine.next_request(7)
+    assert second is not None and second.global_round == 2 and (second.next_round, second.last_round) == (3, 6)
+    engine.receive(7, [_update([1, 1, 1, 1], r) for r in range(3, 7)])
+    assert [c.round for c in engine.close_rounds(now=0)] == [3, 4, 5, 6]
+    third = engine.next_request(7)
+    assert third is not None and third.global_round == 6 and (third.next_round, third.last_round) == (7, 10)
+
+
+def test_no_message_when_it_would_bring_nothing_new() -> None:
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=2, delay=1)
+    assert engine.next_request(1) is not None and engine.next_request(2) is not None
+    engine.receive(1, [_update([1, 1, 1, 1], r) for r in (1, 2)])  # client 1 is at its staleness bound
+    assert engine.close_rounds(now=0) == []  # client 2 has not answered
+    assert engine.next_request(1) is None  # same global model, no round it may train: nothing to send
 
 
 def test_refusals_leave_the_global_model_untouched() -> None:
