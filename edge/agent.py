@@ -2,12 +2,14 @@
 the codec memory and DGA's bookkeeping, and trains continuously in a background thread.
 
 Flower's ClientApp (a fresh process per message) connects over a Unix socket with one ``train`` request per
-message: the agent takes the newest global model if one is attached, trains every round that model unlocks,
-and answers once it can train no further, with every update it has ready. A round t needs the global model of
-round t − D − 1 (DGA's staleness bound; D = 0 is FedAvg's lock-step), so a reply carries up to D + 1 rounds and
-every message round trip moves the pipeline on by D + 1 rounds: answering with the first ready round instead
-would leave the rest for the next message and make each round wait two round trips. Training goes on while
-messages, process start-ups and uploads happen; it pauses only at the staleness bound.
+message: the agent takes the newest global model if one is attached, trains the rounds that model unlocks and
+answers with every update it has ready. A round t needs the global model of round t − D − 1 (DGA's staleness
+bound; D = 0 is FedAvg's lock-step), so a message unlocks up to D + 1 rounds. The agent answers when it reaches
+the bound — every message round trip then moves the pipeline on by D + 1 rounds; answering with the first
+ready round instead would make each round wait two round trips — or earlier, when the rounds still left can
+be trained during the round trip to the next message (``strategies.dga.reply_early``, from the round trip and
+the round time it measures). Training goes on while messages, process start-ups and uploads happen; it pauses
+only at the staleness bound.
 
     python -m edge.agent --socket /run/edgefl/agent.sock
 """
@@ -35,7 +37,7 @@ from edge.models import build_model, get_flat_params, param_layout, set_flat_par
 from edge.protocol import ProtocolError, recv_frame, send_frame
 from edge.trainer import LocalTrainer, scheduled_lr
 from strategies.codecs import make_client_codec, parse_codec, server_compressor
-from strategies.dga import DelayedAveragingClient
+from strategies.dga import DelayedAveragingClient, reply_early
 from strategies.downlink import Broadcast, BroadcastDecoder
 
 log = logging.getLogger("edgefl.agent")
@@ -75,9 +77,36 @@ class Session:
         self.next_round = 1
         self.outbox: list[ReadyUpdate] = []
         self.training = False
+        self.round_s: float | None = None  # moving averages: a round's training time,
+        self.round_trip_s: float | None = None  # and the time from a reply to the next global model
+        self.replied_at: float | None = None
 
     def can_train(self) -> bool:
         return self.next_round <= self.last_round and self.dga.can_start(self.next_round)
+
+    def reply_due(self) -> bool:
+        """At the staleness bound (or done), or early enough that the rounds left fill the round trip."""
+        if not self.training and not self.can_train():
+            return True
+        bound = min(self.last_round, self.dga.global_round + self.dga.delay + 1)
+        left = max(0, bound - self.next_round + 1)  # next_round is the round in progress while training
+        return reply_early(len(self.outbox), left, self.dga.delay, self.round_s or 0.0, self.round_trip_s)
+
+    def finish_round(self, ready: ReadyUpdate) -> None:
+        self.outbox.append(ready)
+        self.next_round = max(self.next_round, ready.round + 1)
+        self.round_s = moving_average(self.round_s, ready.train_s)
+        self.training = False
+
+    def take_global(self, round_: int, params: np.ndarray, now: float) -> None:
+        self.dga.receive_global(round_, params)
+        if self.replied_at is not None:
+            self.round_trip_s = moving_average(self.round_trip_s, now - self.replied_at)
+
+    def take_outbox(self, now: float) -> list[ReadyUpdate]:
+        ready, self.outbox = self.outbox, []
+        self.replied_at = now
+        return ready
 
     def train_one_round(self, round_: int, start: np.ndarray) -> tuple[ReadyUpdate, np.ndarray]:
         """K local steps from ``start``: the encoded update Δ = w_end − w_start, and Δ as the server will decode
@@ -90,6 +119,14 @@ class Session:
         stype, payload = self.codec.encode(update, round_)
         sent = server_compressor(stype).decode(payload, self.layout)
         return ReadyUpdate(round_, stype, payload, self.num_examples, time.perf_counter() - t0, loss), sent
+
+
+def _seconds(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f}"
+
+
+def moving_average(previous: float | None, sample: float, weight: float = 0.5) -> float:
+    return sample if previous is None else (1 - weight) * previous + weight * sample
 
 
 class EdgeAgent:
@@ -121,9 +158,7 @@ class EdgeAgent:
                 return
             with self._cond:  # DGA's bookkeeping changes only under the lock: the ClientApp thread reads it too
                 session.dga.record_sent(round_, sent)
-                session.outbox.append(ready)
-                session.next_round = max(session.next_round, round_ + 1)
-                session.training = False
+                session.finish_round(ready)
                 self._cond.notify_all()
 
     # ----- requests from the ClientApp ----------------------------------------------------------------
@@ -149,13 +184,18 @@ class EdgeAgent:
         with self._cond:
             if header["global-round"] >= 0:  # x̂, the model as the (compressed) broadcast delivers it
                 reference = session.broadcast.receive(Broadcast.parse(header["broadcast"], blob))
-                session.dga.receive_global(header["global-round"], reference)
+                session.take_global(header["global-round"], reference, time.monotonic())
             session.next_round = max(session.next_round, int(header["next-round"]))
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._error or (not session.training and not session.can_train()))
+            self._cond.wait_for(lambda: self._error or session.reply_due())
             if self._error:
                 return {"error": self._error}, b""
-            ready, session.outbox = session.outbox, []
+            ready = session.take_outbox(time.monotonic())
+            log.info(
+                "reply: rounds %s, next round %d, global model of round %d; round trip %s s, round %s s",
+                [u.round for u in ready], session.next_round, session.dga.global_round,
+                _seconds(session.round_trip_s), _seconds(session.round_s),
+            )  # fmt: skip
         meta = [
             {
                 "round": u.round,

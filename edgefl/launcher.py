@@ -126,8 +126,11 @@ def prepare_run_dir(config: RunConfig, resume: bool = False) -> Path:
 
 
 def _flower_env(run_dir: Path) -> dict[str, str]:
+    """The environment of every Flower process. This Python's scripts come first on PATH: the SuperLink and
+    SuperNode start ``flower-superexec`` and the ``flwr-*`` apps by name, also when the venv is not activated."""
     env = dict(os.environ)
     env.update(
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
         FLWR_HOME=str(run_dir / ".flwr"),
         FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.1",
         OMP_NUM_THREADS="1",

@@ -17,6 +17,8 @@ With D = 0 this is FedAvg: every round starts from the newest global model.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -60,6 +62,23 @@ class DelayedAveragingClient:
     @property
     def pending_rounds(self) -> list[int]:
         return sorted(self._pending)
+
+
+def reply_early(ready: int, left: int, delay: int, round_s: float, round_trip_s: float | None) -> bool:
+    """Whether a client should send its ``ready`` updates now, with ``left`` rounds still trainable before the
+    staleness bound (the round in progress counted), rather than once it reaches the bound.
+
+    One message at a time per client: a message brings the global model, the client trains and replies, the
+    next message comes a round trip R later. With N = D + 1 rounds per global model and T seconds per round,
+    replying at the bound gives N rounds per N·T + R. Replying with n = N − m ready and m left to train
+    during the trip gives n rounds per (n − m)·T + R while m·T ≤ R, which is better exactly when R < N·T, and
+    the full rate 1/T — the trip hidden — once m·T ≥ R. So: early only when R < N·T, at the first round
+    boundary where the rounds left cover the trip (m = ⌈R/T⌉; more would only shorten the message) and do
+    not outnumber the rounds ready (m ≤ n: a message leaving more than it carries makes the next one shorter
+    still). Before R has been measured: at the bound."""
+    if ready == 0 or round_trip_s is None or round_s <= 0 or round_trip_s >= (delay + 1) * round_s:
+        return False
+    return left <= min(math.ceil(round_trip_s / round_s), ready)
 
 
 def dga_sgd_step(

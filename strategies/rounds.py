@@ -6,10 +6,12 @@ message and each reply into ``Contribution``s.
 
 Every message to a client carries the newest global model (when the client does not have it yet) and asks
 for the updates it has ready. A client may train round t once it holds the global model of round t − D − 1,
-so a message that brings the global model of round a lets it train up to round a + D + 1, and its reply
-carries all of those rounds (the edge agent answers once it can train no further). One message per client is
-in flight: a second one queued behind it would reach the client before the reply it answers has been
-aggregated, bring nothing new, and cost a ClientApp process for an empty reply.
+so a message that brings the global model of round a lets it train up to round a + D + 1; its reply carries
+those rounds, or the first of them when the client answers early to train the rest during the round trip
+(``strategies.dga.reply_early``). One message per client is in flight: a second one queued behind it would
+reach the client before the reply it answers has been aggregated, bring nothing new, and cost a ClientApp
+process for an empty reply. For the same reason a client is sent nothing until the global model moves on,
+unless it has not yet given the update the oldest open round waits for.
 
 A round closes when every client has contributed, or — stragglers — once ``quorum`` of the clients have and
 ``deadline_s`` has passed since it became the oldest open round. A contribution is accepted once: late
@@ -138,8 +140,8 @@ class RoundEngine:
         self._oldest_open_since = now
 
     def next_request(self, client: int) -> Request | None:
-        """The message to send ``client`` now, or None while one is in flight or one would not let it make
-        progress."""
+        """The message to send ``client`` now, or None while one is in flight or one would bring nothing new
+        and ask for nothing a round waits for."""
         c = self._clients.setdefault(client, _Client())
         if self.done or c.in_flight:
             return None
@@ -148,7 +150,7 @@ class RoundEngine:
         if c.behind:  # skip the rounds that will close before its reply arrives, so that it catches up
             next_round = max(next_round, frontier)
         new_global = self.aggregated > c.delivered or c.resend_global
-        if not new_global and next_round > frontier:  # nothing new to train from
+        if not new_global and (next_round > frontier or c.received > self.aggregated):
             return None
         c.in_flight = True
         if not new_global:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge.agent import EdgeAgent, Session
+from edge.agent import EdgeAgent, ReadyUpdate, Session
 from edge.data import FASHION_MNIST_DIR, DataError, load_dataset
 from edge.models import build_model, get_flat_params, param_layout
 from edgefl.config import RunConfig, client_job
@@ -47,3 +47,35 @@ def test_a_reply_carries_every_round_the_global_model_unlocks() -> None:
         assert reply["updates"] == [] and blob == b""
     finally:
         agent.stop()
+
+
+def test_the_agent_replies_early_when_the_rounds_left_fill_the_round_trip() -> None:
+    """D = 2 with 1 s rounds and a 1.5 s round trip measured: the agent answers with rounds 1 and 2 and trains
+    round 3 while the reply travels (then it is at the bound); with the trip longer than three rounds, or not
+    yet measured, it answers only at the bound."""
+    job = client_job(RunConfig(strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10))
+    session = Session(job, 0, 2)
+    session.take_global(0, get_flat_params(session.model), now=0.0)
+
+    def finish(round_: int) -> None:
+        session.training = True
+        session.next_round = round_
+        session.finish_round(ReadyUpdate(round_, "none", b"", 1, train_s=1.0, loss=0.0))
+
+    finish(1)
+    session.round_trip_s = 1.5
+    assert not session.reply_due()  # 1 ready, 2 left
+    finish(2)
+    assert session.reply_due()  # 2 ready, 1 left (⌈1.5 s / 1 s⌉ = 2 would do)
+    assert [u.round for u in session.take_outbox(now=5.0)] == [1, 2]
+    assert not session.reply_due()  # round 3 is left to train
+    finish(3)
+    assert session.reply_due()  # at the bound: round 4 needs the global model of round 1
+    session.take_outbox(now=6.0)
+    session.take_global(3, get_flat_params(session.model), now=16.0)
+    assert session.round_trip_s == pytest.approx(0.5 * 1.5 + 0.5 * 10.0)  # measured: reply at 6 s, model at 16 s
+    finish(4)
+    finish(5)
+    assert not session.reply_due()  # 5.75 s ≥ 3 rounds: the trip cannot be hidden, so at the bound
+    session.round_trip_s = None
+    assert not session.reply_due()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from strategies.codecs import make_client_codec
-from strategies.dga import DelayedAveragingClient, dga_sgd_step
+from strategies.dga import DelayedAveragingClient, dga_sgd_step, reply_early
 from strategies.rounds import Contribution, RoundEngine
 
 LAYOUT = (("w", (3,)),)
@@ -75,6 +75,17 @@ def _run_engine(delay: int, correction: bool, rounds: int, targets: list[np.ndar
             assert not engine.receive(j, contributions)
         engine.close_rounds(now=0.0)
     return engine.global_params
+
+
+def test_reply_early_only_when_the_rounds_left_can_hide_the_round_trip() -> None:
+    """D = 4 (5 rounds per global model), 1 s per round."""
+    assert not reply_early(ready=3, left=2, delay=4, round_s=1.0, round_trip_s=None)  # not measured: at the bound
+    assert not reply_early(ready=4, left=1, delay=4, round_s=1.0, round_trip_s=5.0)  # R ≥ N·T: a full window
+    assert not reply_early(ready=0, left=2, delay=4, round_s=1.0, round_trip_s=1.5)  # nothing to send
+    assert not reply_early(ready=2, left=3, delay=4, round_s=1.0, round_trip_s=1.5)  # 3 left > ⌈1.5⌉ = 2
+    assert reply_early(ready=3, left=2, delay=4, round_s=1.0, round_trip_s=1.5)  # 2 rounds cover the 1.5 s trip
+    assert not reply_early(ready=1, left=2, delay=4, round_s=1.0, round_trip_s=3.5)  # would leave more than it sends
+    assert reply_early(ready=2, left=2, delay=4, round_s=1.0, round_trip_s=3.5)
 
 
 def test_dga_with_zero_delay_is_exactly_fedavg() -> None:

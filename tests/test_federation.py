@@ -4,12 +4,15 @@ agents beside them, the app submitted with ``flwr run``; then what it leaves beh
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from edgefl.launcher import _flower_env
 from fl_server.results import load_checkpoint
 from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_first_round
 
@@ -64,3 +67,12 @@ def test_ctrl_c_stops_every_process(run_dir: Path) -> None:
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert not processes_of(run_dir)
+
+
+def test_flower_processes_find_this_pythons_scripts_without_an_activated_venv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SuperLink starts ``flower-superexec`` by name: it must be found when only ``.venv/bin/python`` was run."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    found = shutil.which("flower-superexec", path=_flower_env(tmp_path)["PATH"])
+    assert found == str(Path(sys.executable).parent / "flower-superexec")

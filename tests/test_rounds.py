@@ -52,6 +52,22 @@ def test_no_message_when_it_would_bring_nothing_new() -> None:
     assert engine.next_request(1) is None  # same global model, no round it may train: nothing to send
 
 
+def test_after_an_early_reply_the_next_message_brings_the_global_model() -> None:
+    """A client that answered early (round 1 of the three D = 2 allows) is sent nothing until round 1 closes;
+    a client whose reply lacked the round the server waits for is asked again."""
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=2, delay=2)
+    assert engine.next_request(1) is not None and engine.next_request(2) is not None
+    engine.receive(1, [_update([1, 1, 1, 1], 1)])
+    assert engine.next_request(1) is None  # round 1 has its update; a message now would bring nothing
+    engine.receive(2, [])
+    again = engine.next_request(2)
+    assert again is not None and again.global_round is None and again.next_round == 1
+    engine.receive(2, [_update([3, 3, 3, 3], 1)])
+    assert [c.round for c in engine.close_rounds(now=0)] == [1]
+    nxt = engine.next_request(1)
+    assert nxt is not None and nxt.global_round == 1 and (nxt.next_round, nxt.last_round) == (2, 4)
+
+
 def test_refusals_leave_the_global_model_untouched() -> None:
     engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=5, num_clients=1, delay=1)
     engine.next_request(1)
