@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,23 +167,25 @@ def make_node_keys(out: Path, count: int) -> list[Path]:
 
 def check_node_public_key(path: Path) -> None:
     """Raise CertError unless ``path`` is an OpenSSH EC public key (what ``flwr supernode register`` takes)."""
-    try:
-        key = serialization.load_ssh_public_key(path.read_bytes())
-    except OSError as exc:
-        raise CertError(f"cannot read node public key {path}: {exc.strerror}") from None
-    except (ValueError, TypeError, UnsupportedAlgorithm):
-        raise CertError(f"{path} is not an OpenSSH public key (make one with edgefl certs --node-keys N)") from None
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise CertError(f"{path} is not an elliptic-curve key; Flower's node authentication needs one")
+    _check_node_key(path, "public", serialization.load_ssh_public_key, ec.EllipticCurvePublicKey)
 
 
 def check_node_private_key(path: Path) -> None:
     """Raise CertError unless ``path`` is an OpenSSH EC private key (``flower-supernode`` would exit on it)."""
+    _check_node_key(
+        path,
+        "private",
+        lambda data: serialization.load_ssh_private_key(data, password=None),
+        ec.EllipticCurvePrivateKey,
+    )
+
+
+def _check_node_key(path: Path, kind: str, load: Callable[[bytes], object], key_type: type) -> None:
     try:
-        key = serialization.load_ssh_private_key(path.read_bytes(), password=None)
+        key = load(path.read_bytes())
     except OSError as exc:
-        raise CertError(f"cannot read node key {path}: {exc.strerror}") from None
+        raise CertError(f"cannot read node {kind} key {path}: {exc.strerror}") from None
     except (ValueError, TypeError, UnsupportedAlgorithm):
-        raise CertError(f"{path} is not an OpenSSH private key (make one with edgefl certs --node-keys N)") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CertError(f"{path} is not an OpenSSH {kind} key (make one with edgefl certs --node-keys N)") from None
+    if not isinstance(key, key_type):
         raise CertError(f"{path} is not an elliptic-curve key; Flower's node authentication needs one")
