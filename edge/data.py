@@ -379,11 +379,6 @@ def _parse_scheme(scheme: str) -> tuple[str, float]:
     raise DataError(f"unknown partition scheme {scheme!r}: {_SCHEME_HELP}")
 
 
-def validate_partition_scheme(scheme: str) -> None:
-    """Raise DataError if ``scheme`` is not a well-formed partition scheme (loads no data)."""
-    _parse_scheme(scheme)
-
-
 def partition_indices(dataset: Dataset, scheme: str, num_partitions: int, seed: int) -> list[np.ndarray]:
     """Split the training rows into ``num_partitions`` disjoint, sorted int64 index arrays.
 
