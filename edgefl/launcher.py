@@ -139,12 +139,6 @@ def _flower_env(run_dir: Path) -> dict[str, str]:
     return env
 
 
-def _bin(name: str) -> str:
-    """A console script of this Python environment (flower-superlink, flwr, ...)."""
-    local = Path(sys.executable).with_name(name)
-    return str(local) if local.exists() else name
-
-
 def app_for(config: RunConfig) -> str:
     """The key in APPS of the apps that run ``config``."""
     return "flower" if config.strategy == "flower-fedavg" else "edgefl"
@@ -157,7 +151,7 @@ def superlink_argv(host: str, port: int, certs: ServerCerts | None, node_auth: b
     if certs:
         tls = ["--ssl-ca-certfile", str(certs.ca), "--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key)]
     auth = ["--enable-supernode-auth"] if node_auth else []
-    return [_bin("flower-superlink"), *tls, *auth,
+    return ["flower-superlink", *tls, *auth,
             "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]  # fmt: skip
 
 
@@ -167,7 +161,7 @@ def supernode_argv(address: str, root_cert: Path | None, node_config: str, auth_
     without limit (no --max-retries, no --max-wait-time)."""
     tls = ["--root-certificates", str(root_cert)] if root_cert else ["--insecure"]
     auth = ["--auth-supernode-private-key", str(auth_key)] if auth_key else []
-    return [_bin("flower-supernode"), *tls, *auth, "--superlink", address,
+    return ["flower-supernode", *tls, *auth, "--superlink", address,
             "--port", str(free_port()), "--node-config", node_config]  # fmt: skip
 
 
@@ -220,7 +214,7 @@ def run_flwr(args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ())
     """``flwr ARGS --format json`` against federation FEDERATION of ``env``'s FLWR_HOME; its JSON answer."""
     try:
         done = subprocess.run(
-            [*prefix, _bin("flwr"), *args, "--format", "json"],
+            [*prefix, "flwr", *args, "--format", "json"],
             capture_output=True,
             text=True,
             env=env,
