@@ -92,16 +92,19 @@ def main() -> int:
         f"| codec | bytes / update | dense / codec | final acc | vs {codecs[0]} (points) | best acc | s / round |",
         "|---|---|---|---|---|---|---|",
     ]
+    figures = {}
     for codec, result in results.items():
         size, final = result.bytes_per_update, result.accuracy[-1]
         delta = 100 * (final - baseline.accuracy[-1])
         time_s = f"{seconds[codec]:.1f}" if codec in seconds else "—"
+        figures[codec] = {"bytes_per_update": size, "final_accuracy": final, "accuracy_delta_points": delta,
+                          "seconds_per_round": seconds.get(codec)}  # fmt: skip
         lines.append(
             f"| {codec} | {size:.0f} | {result.dense_bytes / size:.1f}x | {final:.4f} | {delta:+.2f} "
             f"| {max(result.accuracy):.4f} | {time_s} |"
         )
     plot(results, args.out / "accuracy.png", f"{args.dataset} {args.partition}, {args.clients} clients")
-    write_result(args.out, "\n".join(lines))
+    write_result(args.out, "\n".join(lines), figures)
     print(f"plot: {args.out / 'accuracy.png'}")
     return 0
 

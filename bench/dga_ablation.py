@@ -48,6 +48,7 @@ def main() -> int:
     def lr_at(round_: int) -> float:
         return scheduled_lr(args.lr, args.lr_schedule, round_, args.rounds)
 
+    figures = {}
     for delay, correction in configs:
         started = time.monotonic()
         config = SimConfig(
@@ -60,8 +61,9 @@ def main() -> int:
             "fedavg (D=0)" if delay == 0 else f"dga D={delay} " + ("with" if correction else "without") + " correction"
         )
         lines.append(f"| {name} | {acc[-1]:.4f} | {max(acc):.4f} |")
+        figures[name] = {"final_accuracy": acc[-1], "best_accuracy": max(acc)}
         print_row_done(name, acc, started)
-    write_result(args.out, "\n".join(lines))
+    write_result(args.out, "\n".join(lines), figures)
     return 0
 
 

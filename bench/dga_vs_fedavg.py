@@ -32,8 +32,17 @@ from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run, plot_runs, table
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "— (target not reached)"
+def speedup(slower: float | None, faster: float | None) -> float | None:
+    """Time-to-target ratio; None when either run missed the target."""
+    return slower / faster if slower and faster else None
+
+
+def ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value else "— (target not reached)"
+
+
+def yes(met: bool) -> str:
+    return "met" if met else "NOT met"
 
 
 def tail_mean(rows: list[dict], count: int = 3) -> float:
@@ -76,20 +85,36 @@ def main() -> int:
     plot_runs(slow, args.out, f"{args.dataset} {args.partition}, {args.clients} clients, {args.profile}")
     (fed, fed_rows), (flw, _) = slow[0], slow[-1]
     lines = [table([summary for summary, _ in slow] + [results[s, "lan"][0] for s in dgas]), ""]
+    figures = {}
     for dga in dgas:
         dg, dg_rows = results[dga, args.profile]
         lan = results[dga, "lan"][0]
+        figures[dga] = criteria = {
+            "to_target_speedup": speedup(fed["time_to_target_s"], dg["time_to_target_s"]),
+            "vs_flower_speedup": speedup(flw["time_to_target_s"], dg["time_to_target_s"]),
+            "hidden_ratio": dg["local_steps_per_s"] / lan["local_steps_per_s"],
+            "accuracy_delta_points": 100 * (dg["final_accuracy"] - fed["final_accuracy"]),
+            "tail_accuracy_delta_points": 100 * (tail_mean(dg_rows) - tail_mean(fed_rows)),
+        }
+        met = [
+            (criteria["to_target_speedup"] or 0) >= 2,
+            criteria["hidden_ratio"] >= 0.9,
+            criteria["accuracy_delta_points"] >= -1,
+        ]
         lines += [
             f"{dga}: time to {args.target_accuracy:g} accuracy over {args.profile} "
-            f"{ratio(fed['time_to_target_s'], dg['time_to_target_s'])} sooner than edgefl FedAvg, "
-            f"{ratio(flw['time_to_target_s'], dg['time_to_target_s'])} sooner than Flower's FedAvg; "
-            f"final accuracy after {args.rounds} rounds {dg['final_accuracy']:.4f} vs {fed['final_accuracy']:.4f} "
-            f"({100 * (dg['final_accuracy'] - fed['final_accuracy']):+.2f} points), mean of the last 3 rounds "
-            f"{100 * (tail_mean(dg_rows) - tail_mean(fed_rows)):+.2f} points; latency hidden: local steps/s over "
+            f"{ratio(criteria['to_target_speedup'])} sooner than edgefl FedAvg (≥ 2x: {yes(met[0])}), "
+            f"{ratio(criteria['vs_flower_speedup'])} sooner than Flower's FedAvg; latency hidden: local steps/s over "
             f"{args.profile} / over lan = {dg['local_steps_per_s']:.1f} / {lan['local_steps_per_s']:.1f} = "
-            f"{dg['local_steps_per_s'] / lan['local_steps_per_s']:.2f}",
+            f"{criteria['hidden_ratio']:.2f} (≥ 0.9: {yes(met[1])}); final accuracy after {args.rounds} rounds "
+            f"{dg['final_accuracy']:.4f} vs {fed['final_accuracy']:.4f} "
+            f"({criteria['accuracy_delta_points']:+.2f} points, within 1: {yes(met[2])}), mean of the last 3 rounds "
+            f"{criteria['tail_accuracy_delta_points']:+.2f} points; all three at once: {yes(all(met))}",
+            "",
         ]
-    write_result(args.out, "\n".join(lines))
+    if len(dgas) == 1:
+        figures.update(figures[dgas[0]])
+    write_result(args.out, "\n".join(lines), figures)
     return 0
 
 

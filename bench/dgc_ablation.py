@@ -75,6 +75,7 @@ def main() -> int:
         "| method | codec | final acc | best acc | bytes / update | compression | after warm-up |",
         "|---|---|---|---|---|---|---|",
     ]
+    figures: dict[str, dict] = {}
     for name, codec, lr_warmup in rows(args.sparsity, args.warmup_steps, args.clip, keys):
         started = time.monotonic()
         config = SimConfig(
@@ -86,6 +87,7 @@ def main() -> int:
             result = simulate(config, warmed_lr if lr_warmup else None)
         except CodecError as exc:  # the client's codec refuses a NaN/Inf update: training diverged
             lines.append(f"| {name} | {codec} | diverged ({exc}) | | | | |")
+            figures[name] = {"codec": codec, "diverged": str(exc)}
             print(f"{name}: diverged ({exc})", flush=True)
             continue
         acc, size = result.accuracy, result.bytes_per_update
@@ -94,8 +96,15 @@ def main() -> int:
             f"| {name} | {codec} | {acc[-1]:.4f} | {max(acc):.4f} | {size:.0f} | {result.dense_bytes / size:.0f}x "
             f"| {result.dense_bytes / steady:.0f}x |"
         )
+        figures[name] = {
+            "codec": codec,
+            "final_accuracy": acc[-1],
+            "best_accuracy": max(acc),
+            "compression": result.dense_bytes / size,
+            "compression_after_warmup": result.dense_bytes / steady,
+        }
         print_row_done(name, acc, started)
-    write_result(args.out, "\n".join(lines))
+    write_result(args.out, "\n".join(lines), figures)
     return 0
 
 

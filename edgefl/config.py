@@ -13,6 +13,7 @@ from typing import Any
 
 import tomli_w
 
+from contract.settings import ClientJob
 from strategies.codecs import parse_codec
 from strategies.spec import StrategyError, StrategySpec, parse_strategy
 
@@ -193,22 +194,12 @@ def load_config(path: Path) -> RunConfig:
     return build_config(path)
 
 
-def client_job(config: RunConfig) -> dict[str, Any]:
-    """What every client needs to know to train this run (sent with each message; a few hundred bytes)."""
+def client_job(config: RunConfig) -> ClientJob:
+    """What every client needs to know to train this run."""
     spec = config.strategy_spec
-    return {
-        "run": config.name,
-        "dataset": config.dataset,
-        "data-dir": config.data_dir,
-        "partition": config.partition,
-        "seed": config.seed,
-        "rounds": config.rounds,
-        "local-steps": config.local_steps,
-        "batch-size": config.batch_size,
-        "lr": config.lr,
-        "momentum": config.momentum,
-        "lr-schedule": config.lr_schedule,
-        "delay": spec.delay,
-        "correction": spec.correction,
-        "codec": config.compress,
-    }
+    return ClientJob(
+        run=config.name, dataset=config.dataset, data_dir=config.data_dir, partition=config.partition,
+        seed=config.seed, rounds=config.rounds, local_steps=config.local_steps, batch_size=config.batch_size,
+        lr=config.lr, momentum=config.momentum, lr_schedule=config.lr_schedule, delay=spec.delay,
+        correction=spec.correction, codec=config.compress,
+    )  # fmt: skip

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import socket
 import ssl
@@ -24,11 +25,10 @@ from pathlib import Path
 import tomli_w
 
 from edge.devices import CpuCap, DeviceProfile, device_profile
-from edge.protocol import call_agent
 from edgefl.certs import ServerCerts, make_server_certs
 from edgefl.config import ConfigError, RunConfig, client_job, parse_address, save_config
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail
-from fl_server.results import CHECKPOINT, GLOBAL_ONNX, ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
+from fl_server.results import CHECKPOINT, GLOBAL_ONNX, MESSAGES, ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
 from netem.profiles import Link, load_links, resolve_links
 from netem.testbed import Testbed
 
@@ -37,6 +37,7 @@ STARTUP_TIMEOUT_S = 90.0
 SUBMIT_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 30.0  # how long a remote SuperLink may stay unreachable before a command gives up
 CLIENT_PROCESSES = ("agent-", "supernode-")  # ProcessGroup names of a client's processes
+RUNTIME_HOST = "127.0.0.1"  # a SuperNode's Runtime API, where its agent claims tasks: the device's loopback only
 
 APP_TOML = """\
 [build-system]
@@ -120,7 +121,7 @@ def prepare_run_dir(config: RunConfig, resume: bool = False) -> Path:
         (run_dir / SERVER_ERROR).unlink(missing_ok=True)
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in (ROUNDS, SUMMARY, SERVER_ERROR, CHECKPOINT, GLOBAL_ONNX):
+    for name in (ROUNDS, MESSAGES, SUMMARY, SERVER_ERROR, CHECKPOINT, GLOBAL_ONNX):
         (run_dir / name).unlink(missing_ok=True)
     return run_dir
 
@@ -155,14 +156,48 @@ def superlink_argv(host: str, port: int, certs: ServerCerts | None, node_auth: b
             "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]  # fmt: skip
 
 
-def supernode_argv(address: str, root_cert: Path | None, node_config: str, auth_key: Path | None = None) -> list[str]:
-    """Flower's SuperNode for the SuperLink at ``address``, verifying its certificate with ``root_cert`` (plain
-    text without), authenticated with the private key ``auth_key`` if given. It retries a lost SuperLink
-    without limit (no --max-retries, no --max-wait-time)."""
+def supernode_argv(
+    address: str,
+    root_cert: Path | None,
+    node_config: str,
+    auth_key: Path | None = None,
+    serve: NodeRuntime | None = None,
+) -> list[str]:
+    """A SuperNode for the SuperLink at ``address``, verifying its certificate with ``root_cert`` (plain text
+    without), authenticated with the private key ``auth_key`` if given. With ``serve`` it is edgefl's tuned
+    SuperNode whose tasks an edge agent serves (``--isolation process``); without, Flower's stock one, which starts
+    a ClientApp process per message. It retries a lost SuperLink without limit (no --max-retries)."""
     tls = ["--root-certificates", str(root_cert)] if root_cert else ["--insecure"]
     auth = ["--auth-supernode-private-key", str(auth_key)] if auth_key else []
-    return ["flower-supernode", *tls, *auth, "--superlink", address,
-            "--port", str(free_port()), "--node-config", node_config]  # fmt: skip
+    if serve is None:
+        runtime = ["flower-supernode", "--port", str(free_port())]
+    else:
+        runtime = [sys.executable, "-m", "fl_client.supernode", "--isolation", "process", "--host", RUNTIME_HOST,
+                   "--port", str(serve.port), "--superexec-auth-secret-file", str(serve.secret_file)]  # fmt: skip
+    return [*runtime, *tls, *auth, "--superlink", address, "--node-config", node_config]
+
+
+@dataclass(frozen=True)
+class NodeRuntime:
+    """Where a SuperNode's agent claims its tasks: the Runtime API port on the device's loopback, and the
+    SuperExec secret that signs each claim (so no other process on the device can take them)."""
+
+    port: int
+    secret_file: Path
+    ready_file: Path  # the agent writes it once its data is loaded
+
+    @classmethod
+    def create(cls, folder: Path, name: str) -> NodeRuntime:
+        secret_file, ready_file = folder / f".{name}.secret", folder / f".{name}.ready"
+        secret_file.unlink(missing_ok=True)
+        secret_file.touch(mode=0o600)
+        secret_file.write_bytes(secrets.token_bytes(32))
+        ready_file.unlink(missing_ok=True)
+        return cls(free_port(RUNTIME_HOST), secret_file, ready_file)
+
+    def agent_argv(self, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "fl_client.node", "--runtime-api", f"{RUNTIME_HOST}:{self.port}",
+                "--secret-file", str(self.secret_file), "--ready-file", str(self.ready_file), *extra]  # fmt: skip
 
 
 def wait_for_superlink(procs: ProcessGroup) -> None:
@@ -268,41 +303,39 @@ class LocalFederation:
         return free_port()
 
     def start(self) -> str:
-        """Start every process; returns the SuperLink address. Agents import torch while the SuperLink starts."""
+        """Start every process; returns the SuperLink address. Agents load their data while the SuperLink starts."""
         port = self.superlink_port()
         address = f"{self.place.server_host}:{port}"
-        sockets = self._start_agents() if self.app == "edgefl" else [""] * self.config.clients
+        runtimes = self._start_agents() if self.app == "edgefl" else [None] * self.config.clients
         if self.place.backend != "loopback":
             self.certs = make_server_certs(self.run_dir / ".certs", [self.place.server_host])
         superlink = superlink_argv(self.place.server_host, port, self.certs)
         self.procs.start("superlink", [*self.place.server_prefix, *superlink])
         wait_for_superlink(self.procs)
-        for sock in sockets:
-            if sock:
-                self.procs.wait_until(f"edge agent {sock}", lambda s=sock: agent_ready(s), STARTUP_TIMEOUT_S)
-        for i, (prefix, sock) in enumerate(zip(self.place.client_prefixes, sockets, strict=True)):
+        for i, runtime in enumerate(runtimes):
+            if runtime:
+                self.procs.wait_until(f"edge agent {i}", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
+        for i, (prefix, runtime) in enumerate(zip(self.place.client_prefixes, runtimes, strict=True)):
             node_config = f"partition-id={i} num-partitions={self.config.clients}"
-            if sock:
-                node_config += f' agent="{sock}"'
-            supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config)
+            supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config, serve=runtime)
             self.procs.start(f"supernode-{i}", [*prefix, *supernode])
         return address
 
-    def _start_agents(self) -> list[str]:
+    def _start_agents(self) -> list[NodeRuntime]:
         """One agent per client, each inside its emulated device's CPU cap (the cap's prefix goes first:
         ``ip netns exec`` hides /sys/fs/cgroup)."""
-        sockets = [str(self.run_dir / f".agent-{i}.sock") for i in range(self.config.clients)]
         job = self.run_dir / ".job.json"
-        job.write_text(json.dumps(client_job(self.config)))
+        job.write_text(client_job(self.config).to_json())
         tag = str(os.getpid())
-        for i, (prefix, sock, device) in enumerate(
-            zip(self.place.client_prefixes, sockets, devices_for(self.config), strict=True)
-        ):
+        runtimes = []
+        for i, (prefix, device) in enumerate(zip(self.place.client_prefixes, devices_for(self.config), strict=True)):
+            runtime = NodeRuntime.create(self.run_dir, f"node-{i}")
             cap = self.caps.enter_context(CpuCap(device, f"agent-{i}", tag=tag))
-            argv = [sys.executable, "-m", "edge.agent", "--socket", sock, "--job", str(job),
-                    "--partition-id", str(i), "--num-partitions", str(self.config.clients)]  # fmt: skip
+            argv = runtime.agent_argv("--job", str(job), "--partition-id", str(i),
+                                      "--num-partitions", str(self.config.clients))  # fmt: skip
             self.procs.start(f"agent-{i}", [*cap.argv_prefix(), *prefix, *argv])
-        return sockets
+            runtimes.append(runtime)
+        return runtimes
 
     def submit(self, address: str) -> str:
         """``flwr run`` against our SuperLink (from the server's namespace); returns Flower's run id."""
@@ -316,13 +349,6 @@ def submit_remote(config: RunConfig, run_dir: Path, env: dict[str, str]) -> str:
     root_cert = Path(config.root_cert).resolve() if config.root_cert else None
     reach_superlink(config.server, root_cert)
     return submit(run_dir, app_for(config), config.server, root_cert, env)
-
-
-def agent_ready(sock: str) -> bool:
-    try:
-        return "pong" in call_agent(sock, {"op": "ping"}, b"", timeout_s=2.0)[0]
-    except OSError:
-        return False
 
 
 def _progress_line(row: dict, rounds: int) -> str:

@@ -38,8 +38,8 @@ from edgefl.launcher import (
     CONNECT_TIMEOUT_S,
     FEDERATION,
     STARTUP_TIMEOUT_S,
+    NodeRuntime,
     _flower_env,
-    agent_ready,
     reach_superlink,
     run_flwr,
     superlink_argv,
@@ -275,15 +275,15 @@ def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
         shutil.rmtree(logs, ignore_errors=True)
         env = _flower_env(spec.folder)
         agent = stack.enter_context(ProcessGroup(logs, env))
-        sock = str(spec.folder / "agent.sock")
+        runtime = NodeRuntime.create(spec.folder, "node")
         data_dir = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []
-        agent.start("agent", [*cap.argv_prefix(), sys.executable, "-m", "edge.agent", "--socket", sock, *data_dir])
-        agent.wait_until("the edge agent", lambda: agent_ready(sock), STARTUP_TIMEOUT_S)
-        node_config = f'partition-id={spec.partition_id} num-partitions={spec.num_partitions} agent="{sock}"'
+        agent.start("agent", [*cap.argv_prefix(), *runtime.agent_argv(*data_dir)])
+        agent.wait_until("the edge agent", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
+        node_config = f"partition-id={spec.partition_id} num-partitions={spec.num_partitions}"
         progress(f"edge agent ready; logs: {logs}")
         first = True
         while True:
-            argv = supernode_argv(spec.server, spec.root_cert, node_config, spec.auth_key)
+            argv = supernode_argv(spec.server, spec.root_cert, node_config, spec.auth_key, serve=runtime)
             joined = _run_supernode(spec, argv, agent, first, progress)
             first = False
             progress(
@@ -355,7 +355,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"(default {RunConfig.dataset})")  # fmt: skip
     p.add_argument("--data-dir", help="folder with the data set's files (mnist, or a local fashion-mnist)")
     p.add_argument("--device-profile", default="laptop", help="emulated device CPU: laptop, rpi3, rpi4, rpi5")
-    p.add_argument("--out", type=Path, help="folder for logs and the agent's socket (default runs/client-I)")
+    p.add_argument("--out", type=Path, help="folder for logs and the node's secret (default runs/client-I)")
     p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="S",
                    help=f"seconds to wait for the server at start (default {CONNECT_TIMEOUT_S:g})")  # fmt: skip
     p.add_argument("--install-systemd", nargs="?", const="", default=None, metavar="UNIT_FILE",

@@ -1,38 +1,33 @@
-"""The ClientApp: a relay. Flower runs it in a fresh process for every message, so it holds no state and
-imports no torch; it hands the instruction to the edge agent over a local socket and returns the agent's
-updates. Node config: ``agent`` (the agent's socket path), ``partition-id``, ``num-partitions``."""
+"""edgefl's ClientApp. Flower would start it in a fresh process for every message; edgefl runs it inside the
+edge agent's long-lived process instead (``fl_client.node``: the SuperNode runs with ``--isolation process`` and
+the agent claims its tasks over the Runtime API), so the model, data, optimizer and codec memory stay in memory
+between messages. Node config: ``partition-id``, ``num-partitions``."""
 
 from __future__ import annotations
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from edge.protocol import call_agent
-from fl_client.wire import TrainReply, UpdateMeta, parse_instruction, reply_content
-
-AGENT_TIMEOUT_S = 3600.0
+from contract.wire import parse_instruction, reply_content
+from edge.agent import EdgeAgent
 
 app = ClientApp()
+_agent: EdgeAgent | None = None
+
+
+def attach(agent: EdgeAgent) -> None:
+    """The agent this process's ClientApp hands its messages to (``fl_client.node``)."""
+    global _agent
+    _agent = agent
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    if _agent is None:
+        raise RuntimeError(
+            "edgefl's ClientApp runs inside the edge agent (python -m fl_client.node) beside a SuperNode started "
+            "with --isolation process, not in a process of its own"
+        )
     instr = parse_instruction(msg.content)
-    header = {
-        "op": "train",
-        "partition-id": int(context.node_config["partition-id"]),
-        "num-partitions": int(context.node_config["num-partitions"]),
-        "job": instr.job,
-        "next-round": instr.next_round,
-        "last-round": instr.last_round,
-        "global-round": -1 if instr.broadcast is None else instr.broadcast.round,
-    }
-    blob = b""
-    if instr.broadcast is not None:
-        header["broadcast"], blob = instr.broadcast.header(), instr.broadcast.blob()
-    reply, updates_blob = call_agent(str(context.node_config["agent"]), header, blob, AGENT_TIMEOUT_S)
-    if "error" in reply:
-        raise RuntimeError(f"edge agent: {reply['error']}")
-    updates = [UpdateMeta(**meta) for meta in reply["updates"]]
-    content = reply_content(TrainReply(reply["partition-id"], updates, updates_blob, reply.get("health", {})))
-    return Message(content, reply_to=msg)
+    partition_id, num_partitions = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    return Message(reply_content(_agent.train(instr, partition_id, num_partitions)), reply_to=msg)

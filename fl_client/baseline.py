@@ -1,8 +1,11 @@
 """The Flower quickstart ClientApp, as the baseline for ``--strategy flower-fedavg``: every message starts a
 fresh process that imports torch, loads its partition, builds the model from the received state dict (one
-Array per tensor), trains K local steps with a fresh optimizer and replies with the whole state dict."""
+Array per tensor), trains K local steps with a fresh optimizer and replies with the whole state dict (and, for
+the records, its partition and training time)."""
 
 from __future__ import annotations
+
+import time
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -34,11 +37,15 @@ def train(msg: Message, context: Context) -> Message:
         float(job["momentum"]),
         seed=int(job["seed"]) * 1000 + pid + 7919 * int(job["server-round"]),
     )
+    started = time.perf_counter()
     loss = trainer.train_steps(int(job["local-steps"]))
+    train_s = time.perf_counter() - started
     content = RecordDict(
         {
             "arrays": ArrayRecord(model.state_dict()),
-            "metrics": MetricRecord({"train_loss": loss, "num-examples": len(idx)}),
+            "metrics": MetricRecord(
+                {"train_loss": loss, "num-examples": len(idx), "train-s": train_s, "partition-id": pid}
+            ),
         }
     )
     return Message(content, reply_to=msg)

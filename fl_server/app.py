@@ -9,6 +9,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from contract.transport import tune
 from edgefl.config import load_config
 from fl_server.engine import serve
 from fl_server.results import SERVER_ERROR
@@ -24,8 +25,10 @@ def main(grid: Grid, context: Context) -> None:
     logger = logging.getLogger("edgefl")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    transport = tune()
+    logger.info("Flower's message path: %s", transport)
     try:
-        serve(grid, load_config(run_dir / "config.toml"), run_dir)
+        serve(grid, load_config(run_dir / "config.toml"), run_dir, transport)
     except BaseException as exc:
         logger.exception("server failed")
         (run_dir / SERVER_ERROR).write_text(f"{type(exc).__name__}: {exc}\n")

@@ -13,17 +13,26 @@ import time
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from contract.transport import STOCK
+from contract.wire import WireSize, wire_size
 from edge.data import load_dataset
 from edge.models import build_model
 from edge.trainer import evaluate
 from edgefl.config import RunConfig, client_job, load_config
-from fl_client.wire import wire_bytes
 from fl_server.engine import wait_for_nodes
-from fl_server.results import SERVER_ERROR, append_round, read_rounds, summarize, write_summary
+from fl_server.results import (
+    SERVER_ERROR,
+    MessageTrip,
+    append_message,
+    append_round,
+    read_rounds,
+    summarize,
+    write_summary,
+)
 
 log = logging.getLogger("edgefl.baseline")
 
@@ -31,29 +40,63 @@ app = ServerApp()
 
 
 class _Meter:
-    """Counts serialized bytes through a grid by wrapping its push/pull on the instance, so that Flower's own
-    ``send_and_receive`` (which calls them) is what runs."""
+    """Counts serialized bytes through a grid and records each message round trip, by wrapping its push/pull on
+    the instance, so that Flower's own ``send_and_receive`` (which calls them) is what runs."""
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, run_dir: Path) -> None:
         self.up = self.down = 0
+        self.replied: set[int] = set()  # partitions whose replies came since the last round closed
+        self._sent: dict[str, tuple[int, float, WireSize]] = {}
         push, pull = grid.push_messages, grid.pull_messages
 
         def push_messages(messages):  # type: ignore[no-untyped-def]
             messages = list(messages)
-            self.down += sum(wire_bytes(m) for m in messages)
-            return push(messages)
+            sent_at = time.monotonic()
+            ids = list(push(messages))
+            for message, message_id in zip(messages, ids, strict=True):
+                size = wire_size(message)
+                self.down += size.bytes
+                self._sent[message_id] = (message.metadata.dst_node_id, sent_at, size)
+            return ids
 
         def pull_messages(message_ids):  # type: ignore[no-untyped-def]
             replies = list(pull(message_ids))
-            self.up += sum(wire_bytes(m) for m in replies)
+            for reply in replies:
+                self._record(run_dir, reply)
             return replies
 
         grid.push_messages = push_messages  # type: ignore[method-assign]
         grid.pull_messages = pull_messages  # type: ignore[method-assign]
 
-    def take(self) -> tuple[int, int]:
-        out = (self.up, self.down)
+    def _record(self, run_dir: Path, reply: Message) -> None:
+        pulled_at, size = time.monotonic(), wire_size(reply)
+        self.up += size.bytes
+        message_id = reply.metadata.reply_to_message_id
+        node, sent_at, sent = self._sent.pop(message_id)
+        metrics = {} if reply.has_error() else reply.content["metrics"]
+        partition = int(metrics.get("partition-id", -1))
+        if not reply.has_error():
+            self.replied.add(partition)
+        trip = MessageTrip(
+            message_id=message_id,
+            node=node,
+            partition=partition,
+            sent_at=sent_at,
+            round_trip_s=pulled_at - sent_at,
+            train_s=float(metrics.get("train-s", 0.0)),
+            rounds=[],
+            bytes_down=sent.bytes,
+            bytes_up=size.bytes,
+            objects_down=sent.objects,
+            objects_up=size.objects,
+        )
+        append_message(run_dir, trip)
+
+    def take(self) -> tuple[int, int, list[int]]:
+        """Bytes up and down and the partitions that replied, since the last call."""
+        out = (self.up, self.down, sorted(self.replied))
         self.up = self.down = 0
+        self.replied = set()
         return out
 
 
@@ -61,7 +104,7 @@ def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
     torch.set_num_threads(1)
     dataset = load_dataset(config.dataset, config.data_dir or None)
     model = build_model(dataset, config.seed)
-    meter = _Meter(grid)
+    meter = _Meter(grid, run_dir)
     wait_for_nodes(grid, config.clients)
     clock = {"t0": 0.0, "eval_s": 0.0}
 
@@ -73,7 +116,7 @@ def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
         wall = started - clock["t0"] - clock["eval_s"]
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy = evaluate(model, dataset.x_test, dataset.y_test)
-        up, down = meter.take()
+        up, down, clients = meter.take()
         append_round(
             run_dir,
             {
@@ -83,8 +126,8 @@ def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
                 "test_accuracy": accuracy,
                 "bytes_up": up,
                 "bytes_down": down,
-                "clients": list(range(config.clients)),
-                "closed_by": "all",
+                "clients": clients,
+                "closed_by": "all" if len(clients) == config.clients else "partial",
                 "client_train_s": None,
                 "rejected": [],
             },
@@ -98,10 +141,10 @@ def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=config.rounds,
-        train_config=ConfigRecord({k: v for k, v in client_job(config).items() if not isinstance(v, bool)}),
+        train_config=ConfigRecord({k: v for k, v in client_job(config).as_dict().items() if not isinstance(v, bool)}),
         evaluate_fn=evaluate_fn,
     )
-    write_summary(run_dir, summarize(dataclasses.asdict(config), read_rounds(run_dir)))
+    write_summary(run_dir, {**summarize(dataclasses.asdict(config), read_rounds(run_dir)), "transport": STOCK})
 
 
 @app.main()

@@ -31,15 +31,19 @@ import torch
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from contract.messages import TrainInstruction
+from contract.transport import FAST, STOCK
+from contract.wire import WireError, WireSize, parse_reply, train_message, wire_size
 from edge.data import load_dataset
 from edge.models import build_model, get_flat_params, param_layout, set_flat_params
 from edge.onnx import export_onnx
 from edge.trainer import evaluate
 from edgefl.config import RunConfig, client_job
-from fl_client.wire import TrainInstruction, instruction_content, parse_reply, wire_bytes
 from fl_server.results import (
     GLOBAL_ONNX,
     Checkpoint,
+    MessageTrip,
+    append_message,
     append_round,
     read_checkpoint,
     read_rounds,
@@ -50,7 +54,7 @@ from fl_server.results import (
 )
 from fl_server.robust import make_aggregator
 from strategies.downlink import BroadcastEncoder
-from strategies.rounds import ClosedRound, Contribution, Rejection, Request, RoundEngine
+from strategies.rounds import ClosedRound, Rejection, Request, RoundEngine, Update
 from strategies.validation import NormOutlierFilter
 
 log = logging.getLogger("edgefl.server")
@@ -118,6 +122,15 @@ class Evaluator:
         export_onnx(self.model, self.dataset, self.run_dir / GLOBAL_ONNX)
 
 
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A message the server pushed and awaits the reply to."""
+
+    node: int
+    sent_at: float  # time.monotonic()
+    size: WireSize
+
+
 @dataclasses.dataclass
 class Traffic:
     """Serialized bytes since the previous closed round, and refusals to report with it."""
@@ -137,11 +150,12 @@ class Traffic:
 
 
 class ServerLoop:
-    def __init__(self, grid: Grid, config: RunConfig, run_dir: Path) -> None:
+    def __init__(self, grid: Grid, config: RunConfig, run_dir: Path, transport: str) -> None:
         self.grid = grid
+        self.transport = {-1: transport}  # this server's, then each partition's as its replies report it
         self.config = config
         self.run_dir = run_dir
-        self.job = client_job(config)
+        self.job = client_job(config).to_json()
         self.evaluator = Evaluator(config, run_dir)
         model = self.evaluator.model
         start = read_checkpoint(run_dir) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0))
@@ -164,7 +178,7 @@ class ServerLoop:
             config.compress_down, self.engine.global_params, self.engine.layout, config.seed, self.engine.aggregated
         )
         self.traffic = Traffic()
-        self.outstanding: dict[str, int] = {}
+        self.outstanding: dict[str, InFlight] = {}
         self.nodes: set[int] = set()
         self.partition_of: dict[int, int] = {}
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
@@ -192,14 +206,15 @@ class ServerLoop:
         finally:
             self.evaluator.close()
         self.evaluator.export(self.engine.global_params)
-        write_summary(self.run_dir, summarize(dataclasses.asdict(self.config), read_rounds(self.run_dir)))
+        transport = FAST if set(self.transport.values()) == {FAST} else STOCK
+        summary = summarize(dataclasses.asdict(self.config), read_rounds(self.run_dir))
+        write_summary(self.run_dir, {**summary, "transport": transport})
 
     def _message(self, node: int, request: Request) -> Message:
         broadcast = None
         if request.global_round is not None:
             broadcast = self.broadcaster.broadcast(request.global_round, request.global_params, request.held_round)
-        instr = TrainInstruction(self.job, request.next_round, request.last_round, broadcast)
-        return Message(instruction_content(instr), dst_node_id=node, message_type="train")
+        return train_message(TrainInstruction(self.job, request.next_round, request.last_round, broadcast), node)
 
     def _refresh_nodes(self) -> None:
         """Retire the nodes that left (their messages in flight are dropped, never counted); take in new ones."""
@@ -207,7 +222,7 @@ class ServerLoop:
         for node in self.nodes - current:
             log.warning("node %d left; its messages in flight are abandoned", node)
             self.engine.retire(node)
-            self.outstanding = {msg_id: n for msg_id, n in self.outstanding.items() if n != node}
+            self.outstanding = {msg_id: m for msg_id, m in self.outstanding.items() if m.node != node}
         for node in current - self.nodes:
             log.info("node %d joined; it starts from the global model of round %d", node, self.engine.aggregated)
         self.nodes = current
@@ -219,12 +234,14 @@ class ServerLoop:
                 messages.append(self._message(node, request))
         if not messages:
             return False
+        sent_at = time.monotonic()
         ids = list(self.grid.push_messages(messages))
         for msg, msg_id in zip(messages, ids, strict=True):
             if msg_id is None:
                 raise RuntimeError(f"the SuperLink refused a message to node {msg.metadata.dst_node_id}")
-            self.outstanding[msg_id] = msg.metadata.dst_node_id
-            self.traffic.down += wire_bytes(msg)
+            size = wire_size(msg)
+            self.outstanding[msg_id] = InFlight(msg.metadata.dst_node_id, sent_at, size)
+            self.traffic.down += size.bytes
         return True
 
     def _pull(self) -> bool:
@@ -232,33 +249,48 @@ class ServerLoop:
             return False
         replies = list(self.grid.pull_messages(list(self.outstanding)))
         for reply in replies:
-            node = self.outstanding.pop(reply.metadata.reply_to_message_id)
-            self.traffic.up += wire_bytes(reply)
-            self._receive(node, reply)
+            message_id = reply.metadata.reply_to_message_id
+            sent = self.outstanding.pop(message_id)
+            pulled_at, size = time.monotonic(), wire_size(reply)
+            self.traffic.up += size.bytes
+            updates = self._receive(sent.node, reply)
+            trip = MessageTrip(
+                message_id=message_id,
+                node=sent.node,
+                partition=self.partition_of.get(sent.node, -1),
+                sent_at=sent.sent_at,
+                round_trip_s=pulled_at - sent.sent_at,
+                train_s=sum(u.train_s for u in updates),
+                rounds=[u.round for u in updates],
+                bytes_down=sent.size.bytes,
+                bytes_up=size.bytes,
+                objects_down=sent.size.objects,
+                objects_up=size.objects,
+            )
+            append_message(self.run_dir, trip)
         return bool(replies)
 
-    def _receive(self, node: int, reply: Message) -> None:
+    def _receive(self, node: int, reply: Message) -> tuple[Update, ...]:
+        """Hand a reply's updates to the round engine; returns them (none for an error or a malformed reply)."""
         partition = self.partition_of.get(node, -1)  # rejections name partitions (−1: not known yet)
         if reply.has_error():
             self.engine.fail(node)
             self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reply.error.reason}"))
             log.warning("node %d replied with an error: %s", node, reply.error.reason)
-            return
+            return ()
         try:
             parsed = parse_reply(reply.content)
-        except (KeyError, TypeError, ValueError) as exc:
+        except WireError as exc:
             self.engine.receive(node, [])
-            self.traffic.rejected.append(Rejection(partition, -1, f"malformed reply: {exc}"))
-            return
+            self.traffic.rejected.append(Rejection(partition, -1, str(exc)))
+            return ()
         self.partition_of[node] = parsed.partition_id
         self.health[parsed.partition_id] = parsed.health
-        contributions = [
-            Contribution(m.round, m.num_examples, m.stype, payload, m.train_s, m.loss)
-            for m, payload in zip(parsed.updates, parsed.payloads(), strict=True)
-        ]
-        for rejection in self.engine.receive(node, contributions, parsed.partition_id):
+        self.transport[parsed.partition_id] = parsed.transport
+        for rejection in self.engine.receive(node, list(parsed.updates), parsed.partition_id):
             log.warning("refused round %d from node %d: %s", rejection.round, node, rejection.reason)
             self.traffic.rejected.append(rejection)
+        return parsed.updates
 
     def _close_rounds(self) -> None:
         now = time.monotonic()
@@ -280,6 +312,7 @@ class ServerLoop:
         }
 
 
-def serve(grid: Grid, config: RunConfig, run_dir: Path) -> None:
+def serve(grid: Grid, config: RunConfig, run_dir: Path, transport: str) -> None:
+    """Run ``config`` to its end; ``transport`` is how this process moves messages (``contract.transport``)."""
     torch.set_num_threads(1)
-    ServerLoop(grid, config, run_dir).run()
+    ServerLoop(grid, config, run_dir, transport).run()

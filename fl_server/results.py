@@ -1,4 +1,5 @@
-"""The files a run leaves in ``runs/NAME/``: ``rounds.jsonl`` (one object per closed round),
+"""The files a run leaves in ``runs/NAME/``: ``rounds.jsonl`` (one object per closed round), ``messages.jsonl``
+(one object per message round trip),
 ``summary.json``, ``checkpoint.npz`` (what ``edgefl run --resume`` continues from), ``global.onnx`` (the final
 model) and ``server_error.txt`` when the server failed.
 
@@ -7,6 +8,7 @@ checkpoint (never behind); a resumed run first cuts it back to the checkpoint's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 ROUNDS = "rounds.jsonl"
+MESSAGES = "messages.jsonl"
 SUMMARY = "summary.json"
 CHECKPOINT = "checkpoint.npz"
 GLOBAL_ONNX = "global.onnx"
@@ -29,8 +32,34 @@ def append_round(run_dir: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def read_rounds(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / ROUNDS
+@dataclass(frozen=True)
+class MessageTrip:
+    """One message round trip, a row of ``messages.jsonl``. ``sent_at`` is the server host's monotonic clock when
+    the push began (as in the agents' ``task`` log lines, which name the same ``message_id``); ``round_trip_s``
+    lasts until the reply was pulled; ``train_s`` is the client's training for the updates it carried;
+    ``objects_*`` count Flower objects, one HTTP request each over the link."""
+
+    message_id: str
+    node: int
+    partition: int
+    sent_at: float
+    round_trip_s: float
+    train_s: float
+    rounds: list[int]
+    bytes_down: int
+    bytes_up: int
+    objects_down: int
+    objects_up: int
+
+
+def append_message(run_dir: Path, trip: MessageTrip) -> None:
+    with open(run_dir / MESSAGES, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(trip)) + "\n")
+
+
+def read_rounds(run_dir: Path, name: str = ROUNDS) -> list[dict[str, Any]]:
+    """The rows of ``rounds.jsonl`` (or another of the run's JSON-lines files)."""
+    path = run_dir / name
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -3,13 +3,11 @@
     Δ̄ᵗ = Σ_k n_k Δ_kᵗ / Σ_k n_k,    wᵗ = wᵗ⁻¹ + Δ̄ᵗ,
 
 built incrementally as updates arrive so that the server holds one dense accumulator per open round, not one
-vector per client. Updates arrive encoded; the codec's compressor adds them in place (sparse ones in O(k))."""
+vector per client."""
 
 from __future__ import annotations
 
 import numpy as np
-
-from strategies.codecs import Compressor, Layout
 
 
 class WeightedMean:
@@ -19,9 +17,9 @@ class WeightedMean:
         self._sum = np.zeros(size, dtype=np.float64)
         self.total_weight = 0.0
 
-    def add(self, compressor: Compressor, payload: bytes, layout: Layout, weight: float) -> None:
-        """Decode-and-add one client's update; raises the codec's MalformedUpdate and leaves the sum as it was."""
-        compressor.accumulate(self._sum, payload, layout, weight)
+    def add(self, update: np.ndarray, weight: float) -> None:
+        """Add one client's decoded update Δ_k with weight n_k."""
+        self._sum += weight * update
         self.total_weight += weight
 
     def mean(self) -> np.ndarray:

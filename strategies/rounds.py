@@ -2,7 +2,7 @@
 
 It decides what each client is sent and when, collects encoded updates into per-round weighted means, and
 closes rounds in order. It knows nothing of Flower: the glue in ``fl_server`` turns each ``Request`` into a
-message and each reply into ``Contribution``s.
+message and each reply into ``Update``s.
 
 Every message to a client carries the newest global model (when the client does not have it yet) and asks
 for the updates it has ready. A client may train round t once it holds the global model of round t − D − 1,
@@ -43,13 +43,13 @@ Aggregator = Callable[[list[tuple[np.ndarray, int]]], np.ndarray]
 
 
 @dataclass(frozen=True)
-class Contribution:
-    """One client's update for one round, as it came off the wire."""
+class Update:
+    """One client's encoded update for one round: made by its agent, carried by one reply, taken in here."""
 
     round: int
-    num_examples: int
     stype: str
     payload: bytes
+    num_examples: int
     train_s: float = 0.0
     loss: float = float("nan")
 
@@ -160,14 +160,14 @@ class RoundEngine:
         c.resend_global = False
         return Request(next_round, frontier, self.aggregated, self.global_params, held_round)
 
-    def receive(self, client: int, contributions: list[Contribution], partition: int | None = None) -> list[Rejection]:
+    def receive(self, client: int, updates: list[Update], partition: int | None = None) -> list[Rejection]:
         """Take one reply's updates; returns what was refused and why. ``partition`` (the reply's partition id;
         the node id when None) is what an update is accepted once per round for, and what closed rounds list."""
         c = self._clients.setdefault(client, _Client())
         c.in_flight = False
         source = client if partition is None else partition
         rejections = []
-        for item in contributions:
+        for item in updates:
             reason = self._admit(source, c, item)
             if reason:
                 rejections.append(Rejection(source, item.round, reason))
@@ -183,7 +183,7 @@ class RoundEngine:
         """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""
         self._clients.pop(client, None)
 
-    def _admit(self, source: int, c: _Client, item: Contribution) -> str | None:
+    def _admit(self, source: int, c: _Client, item: Update) -> str | None:
         contributed = self._contributed.setdefault(source, set())
         if item.round in contributed:
             return "repeated: this client already sent an update for that round"
@@ -196,19 +196,17 @@ class RoundEngine:
             return "unrequested: the client could not have trained that round yet"
         if item.num_examples <= 0:
             return "num_examples must be positive"
-        open_round = self._open.get(item.round) or _OpenRound(WeightedMean(self.global_params.size))
-        try:
-            compressor = server_compressor(item.stype)
-            if self.validator or self.aggregator:
-                update = compressor.decode(item.payload, self.layout)
-                if self.validator and (reason := self.validator.check(update)):
-                    return reason
-            if self.aggregator:
-                open_round.updates.append((update, item.num_examples))
-            else:
-                open_round.mean.add(compressor, item.payload, self.layout, item.num_examples)
+        try:  # decoded once, for validation and aggregation alike
+            update = server_compressor(item.stype).decode(item.payload, self.layout)
         except MalformedUpdate as exc:
             return f"malformed: {exc}"
+        if self.validator and (reason := self.validator.check(update)):
+            return reason
+        open_round = self._open.get(item.round) or _OpenRound(WeightedMean(self.global_params.size))
+        if self.aggregator:
+            open_round.updates.append((update, item.num_examples))
+        else:
+            open_round.mean.add(update, item.num_examples)
         self._open[item.round] = open_round
         open_round.clients.append(source)
         open_round.train_s.append(item.train_s)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,17 @@ def processes_of(run_dir: Path) -> list[str]:
             command = cmdline.replace(b"\0", b" ").decode(errors="replace")
             found.append(f"{pid} {command}")
     return found
+
+
+@pytest.fixture
+def flower_task() -> Iterator[None]:
+    """Flower builds a Message only inside a task (its run, node and task ids): pretend to be one."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 @pytest.fixture

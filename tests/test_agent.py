@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from edge.agent import EdgeAgent, ReadyUpdate, Session
+from contract.messages import TrainInstruction
+from contract.settings import ClientJob
+from edge.agent import EdgeAgent, Session
 from edge.data import FASHION_MNIST_DIR, DataError, load_dataset
 from edge.models import build_model, get_flat_params, param_layout
 from edgefl.config import RunConfig, client_job
 from strategies.downlink import BroadcastEncoder
+from strategies.rounds import Update
 
 
 def test_the_devices_data_dir_wins_over_the_runs() -> None:
-    """The run was submitted on a machine whose data lives elsewhere: ``edge.agent --data-dir`` points at
+    """The run was submitted on a machine whose data lives elsewhere: the agent's ``--data-dir`` points at
     this device's copy."""
     if not FASHION_MNIST_DIR.exists():
         pytest.skip("dataset-fashion-mnist is not installed")
@@ -25,6 +28,20 @@ def test_the_devices_data_dir_wins_over_the_runs() -> None:
     assert session.num_examples > 0
 
 
+def test_the_job_is_parsed_once_per_run_and_refused_when_malformed() -> None:
+    job = client_job(RunConfig(dataset="digits", partition="iid", clients=2))
+    assert ClientJob.from_json(job.to_json()) == job
+    agent = EdgeAgent()
+    try:
+        session = agent.session_for(job.to_json(), 0, 2)
+        assert agent.session_for(job.to_json(), 0, 2) is session  # same run: the same session, not re-parsed
+    finally:
+        agent.stop()
+    for bad in ('{"dataset": "digits"}', "[]", job.to_json().replace('"local-steps": 20', '"local-steps": "20"')):
+        with pytest.raises(ValueError):
+            ClientJob.from_json(bad)
+
+
 def test_a_reply_carries_every_round_the_global_model_unlocks() -> None:
     """DGA with D = 2: the message that brings the global model of round 0 is answered with rounds 1..3, all
     of them (the staleness bound), not just the first one ready; a message that brings nothing new is
@@ -32,19 +49,17 @@ def test_a_reply_carries_every_round_the_global_model_unlocks() -> None:
     job = client_job(
         RunConfig(strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10, local_steps=2)
     )
-    model = build_model(load_dataset("digits"), job["seed"])
+    model = build_model(load_dataset("digits"), job.seed)
     params, layout = get_flat_params(model), param_layout(model)
     broadcast = BroadcastEncoder("none", params, layout).broadcast(0, params)
-    header = {"op": "train", "partition-id": 0, "num-partitions": 2, "job": job, "next-round": 1, "last-round": 3}
-    agent = EdgeAgent()
+    agent = EdgeAgent(transport="fast")
     try:
-        reply, blob = agent.handle_train(
-            {**header, "global-round": 0, "broadcast": broadcast.header()}, broadcast.blob()
-        )
-        assert [u["round"] for u in reply["updates"]] == [1, 2, 3]
-        assert len(blob) == sum(u["size"] for u in reply["updates"])
-        reply, blob = agent.handle_train({**header, "global-round": -1}, b"")
-        assert reply["updates"] == [] and blob == b""
+        reply = agent.train(TrainInstruction(job.to_json(), 1, 3, broadcast), 0, 2)
+        assert [u.round for u in reply.updates] == [1, 2, 3]
+        assert all(u.num_examples > 0 and u.payload for u in reply.updates)
+        assert reply.transport == "fast" and reply.partition_id == 0
+        reply = agent.train(TrainInstruction(job.to_json(), 4, 3, None), 0, 2)
+        assert reply.updates == ()
     finally:
         agent.stop()
 
@@ -60,7 +75,7 @@ def test_the_agent_replies_early_when_the_rounds_left_fill_the_round_trip() -> N
     def finish(round_: int) -> None:
         session.training = True
         session.next_round = round_
-        session.finish_round(ReadyUpdate(round_, "none", b"", 1, train_s=1.0, loss=0.0))
+        session.finish_round(Update(round_, "none", b"", 1, train_s=1.0, loss=0.0))
 
     finish(1)
     session.round_trip_s = 1.5

@@ -6,7 +6,7 @@ import pytest
 
 from strategies.codecs import make_client_codec
 from strategies.dga import DelayedAveragingClient, dga_sgd_step, reply_early
-from strategies.rounds import Contribution, RoundEngine
+from strategies.rounds import RoundEngine, Update
 
 LAYOUT = (("w", (3,)),)
 
@@ -66,9 +66,10 @@ def _run_engine(delay: int, correction: bool, rounds: int, targets: list[np.ndar
             while next_round[j] <= rounds and clients[j].can_start(next_round[j]):
                 start = clients[j].start_params()
                 update = (-lr * _quadratic_grad(start, target)).astype(np.float32)
-                stype, payload = codecs[j].encode(update, next_round[j])
+                encoded = codecs[j].encode(update, next_round[j])
+                stype, payload = encoded.stype, encoded.payload
                 clients[j].record_sent(next_round[j], update)
-                contributions.append(Contribution(next_round[j], 1, stype, payload))
+                contributions.append(Update(next_round[j], stype, payload, 1))
                 next_round[j] += 1
                 if delay == 0:
                     break

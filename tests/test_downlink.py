@@ -22,7 +22,7 @@ from strategies.downlink import (
     Part,
     reference_delta,
 )
-from strategies.rounds import Contribution, RoundEngine
+from strategies.rounds import RoundEngine, Update
 
 LAYOUT = (("conv", (16, 1, 3, 3)), ("fc", (64, 120)), ("bias", (64,)))
 SIZE = layout_info(LAYOUT).size
@@ -168,8 +168,9 @@ def federate(down: str | None, rounds: int = 4) -> list[np.ndarray]:
                 start = decoders[j].receive(Broadcast.parse(broadcast.header(), broadcast.blob()))
             set_flat_params(trainer.model, start)
             trainer.train_steps(5)
-            stype, payload = codecs[j].encode(get_flat_params(trainer.model) - start, request.next_round)
-            assert not engine.receive(j, [Contribution(request.next_round, len(parts[j]), stype, payload)])
+            encoded = codecs[j].encode(get_flat_params(trainer.model) - start, request.next_round)
+            stype, payload = encoded.stype, encoded.payload
+            assert not engine.receive(j, [Update(request.next_round, stype, payload, len(parts[j]))])
         models += [closed.global_params for closed in engine.close_rounds(now=0.0)]
     return models
 
@@ -209,10 +210,11 @@ def test_dga_sums_check_out_with_both_directions_compressed() -> None:
                 t, start = next_round[j], dga[j].start_params()
                 own = sum((decoded[j, s] for s in range(dga[j].global_round + 1, t)), np.zeros(SIZE, np.float32))
                 np.testing.assert_allclose(start, decoders[j].reference + own, rtol=0, atol=1e-5)
-                stype, payload = codecs[j].encode(rng.standard_normal(SIZE).astype(np.float32) * 0.01, t)
+                encoded = codecs[j].encode(rng.standard_normal(SIZE).astype(np.float32) * 0.01, t)
+                stype, payload = encoded.stype, encoded.payload
                 decoded[j, t] = server_compressor(stype).decode(payload, LAYOUT)
                 dga[j].record_sent(t, decoded[j, t])
-                contributions.append(Contribution(t, weights[j], stype, payload))
+                contributions.append(Update(t, stype, payload, weights[j]))
                 next_round[j] += 1
             assert not engine.receive(j, contributions)
         engine.close_rounds(now=0.0)

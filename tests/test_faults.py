@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from pyroute2 import IPRoute, netns
 
-from edge.protocol import call_agent
 from edgefl.config import RunConfig, build_config, save_config
 from edgefl.launcher import LocalFederation, _flower_env, follow, placement_for, prepare_run_dir
 from edgefl.processes import ProcessGroup
@@ -37,7 +36,7 @@ from netem.profiles import LinkProfile
 from netem.testbed import Testbed
 from netem.tunlink import DelayLine, inject
 from strategies.codecs import make_client_codec
-from strategies.rounds import Contribution, RoundEngine
+from strategies.rounds import RoundEngine, Update
 from tests.conftest import edgefl, processes_of, start_edgefl
 
 LAYOUT = (("w", (2,)),)
@@ -45,9 +44,10 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces ne
 
 
 # ----- the engine: nodes that come and go ------------------------------------------------------------------
-def _update(values: list[float], round_: int) -> Contribution:
-    stype, payload = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
-    return Contribution(round_, 1, stype, payload)
+def _update(values: list[float], round_: int) -> Update:
+    encoded = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
+    stype, payload = encoded.stype, encoded.payload
+    return Update(round_, stype, payload, 1)
 
 
 def test_a_partition_back_under_a_new_node_id_cannot_contribute_a_round_twice() -> None:
@@ -232,20 +232,14 @@ def _testbed_config(run_dir: Path, **settings) -> RunConfig:
 def _restart(procs: ProcessGroup, killed: dict[str, object]) -> None:
     """Start a killed client again as its device would (same partition, same namespace): agent, then SuperNode."""
     agent_argv = killed["agent"].args
-    socket_path = agent_argv[agent_argv.index("--socket") + 1]
+    ready = Path(agent_argv[agent_argv.index("--ready-file") + 1])
+    ready.unlink()
     agent = procs.start("agent-restarted", agent_argv)
     deadline = time.monotonic() + 90
-    while not _pong(socket_path):  # not procs.wait_until: that fails on the killed processes still listed
+    while not ready.exists():  # not procs.wait_until: that fails on the killed processes still listed
         assert agent.poll() is None and time.monotonic() < deadline, "the restarted agent did not come up"
         time.sleep(0.2)
     procs.start("supernode-restarted", killed["supernode"].args)
-
-
-def _pong(socket_path: str) -> bool:
-    try:
-        return "pong" in call_agent(socket_path, {"op": "ping"}, b"", timeout_s=2.0)[0]
-    except OSError:
-        return False
 
 
 @pytest.mark.federation

@@ -9,7 +9,7 @@ import pytest
 from edgefl.config import ConfigError, build_config
 from fl_server.robust import AggregateError, make_aggregator
 from strategies.codecs import make_client_codec
-from strategies.rounds import Contribution, RoundEngine
+from strategies.rounds import RoundEngine, Update
 
 LAYOUT = (("w", (3,)),)
 
@@ -58,9 +58,10 @@ def test_a_poisoned_client_does_not_move_the_median_but_moves_the_mean() -> None
     assert np.max(np.abs(np.mean([*honest, [1e6, -1e6, 1e6]], axis=0))) > 1e5
 
 
-def _contribution(values: list[float]) -> Contribution:
-    stype, payload = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), 1)
-    return Contribution(1, 10, stype, payload)
+def _contribution(values: list[float]) -> Update:
+    encoded = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), 1)
+    stype, payload = encoded.stype, encoded.payload
+    return Update(1, stype, payload, 10)
 
 
 def test_the_engine_aggregates_a_round_with_the_rule() -> None:

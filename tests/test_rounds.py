@@ -3,14 +3,15 @@
 import numpy as np
 
 from strategies.codecs import make_client_codec
-from strategies.rounds import Contribution, RoundEngine
+from strategies.rounds import RoundEngine, Update
 
 LAYOUT = (("w", (4,)),)
 
 
-def _update(values: list[float], round_: int, n: int = 1) -> Contribution:
-    stype, payload = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
-    return Contribution(round_, n, stype, payload)
+def _update(values: list[float], round_: int, n: int = 1) -> Update:
+    encoded = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
+    stype, payload = encoded.stype, encoded.payload
+    return Update(round_, stype, payload, n)
 
 
 def test_fedavg_lock_step_and_example_weighted_mean() -> None:
@@ -73,7 +74,7 @@ def test_refusals_leave_the_global_model_untouched() -> None:
     engine.next_request(1)
     reasons = engine.receive(1, [_update([1, 1, 1, 1], 3)])  # needs global of round 1: not sent yet
     assert [r.reason.split(":")[0] for r in reasons] == ["unrequested"]
-    bad = Contribution(1, 1, _update([0, 0, 0, 0], 1).stype, b"\x00garbage")
+    bad = Update(1, _update([0, 0, 0, 0], 1).stype, b"\x00garbage", 1)
     assert engine.receive(1, [bad])[0].reason.startswith("malformed")
     assert engine.receive(1, [_update([1, 1, 1, 1], 1), _update([9, 9, 9, 9], 1)])[0].reason.startswith("repeated")
     engine.close_rounds(now=0)

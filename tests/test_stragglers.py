@@ -21,7 +21,7 @@ def test_a_silent_client_does_not_stall_the_run(run_dir: Path) -> None:
         "--rounds", "6", "--local-steps", "5", "--quorum", "0.6", "--round-deadline-s", "4", "--out", str(run_dir),
     )  # fmt: skip
     wait_for_first_round(proc, run_dir)
-    agent = next(line for line in processes_of(run_dir) if ".agent-2.sock" in line)
+    agent = next(line for line in processes_of(run_dir) if "fl_client.node" in line and ".node-2.ready" in line)
     os.kill(int(agent.split()[0]), signal.SIGSTOP)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err

@@ -8,18 +8,18 @@ import pytest
 
 from strategies.codecs import CompressorState
 from strategies.codecs.dense import NoCompression
-from strategies.rounds import Contribution, RoundEngine
+from strategies.rounds import RoundEngine, Update
 from strategies.validation import NormOutlierFilter
 
 LAYOUT = (("w", (3,)), ("b", (2,)))
 SIZE = 5
 
 
-def _contribution(values: np.ndarray, round_: int = 1, layout=LAYOUT) -> Contribution:
+def _contribution(values: np.ndarray, round_: int = 1, layout=LAYOUT) -> Update:
     """A dense payload as a (possibly broken) client would send it: the client codec itself refuses NaN."""
     codec = NoCompression()
     payload = codec.encode(values.astype(np.float32), layout, CompressorState(np.random.default_rng(0)))
-    return Contribution(round_, 10, codec.stype, payload)
+    return Update(round_, codec.stype, payload, 10)
 
 
 def _engine(clients: int = 4, norms: list[float] | None = None) -> RoundEngine:

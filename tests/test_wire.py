@@ -1,59 +1,88 @@
-"""The Flower message layout: one Array each way, round trips, and replies the server must refuse."""
+"""The Flower message layout: three Flower objects each way whatever they carry, round trips, and messages the
+receiver must refuse."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import math
 
-from fl_client.wire import (
-    ARRAYS,
-    CONFIG,
-    TrainInstruction,
-    TrainReply,
-    UpdateMeta,
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from contract.messages import TrainInstruction, TrainReply
+from contract.wire import (
+    HEADER,
+    PAYLOAD,
+    RECORD,
+    WireError,
     instruction_content,
     parse_instruction,
     parse_reply,
     reply_content,
+    wire_size,
 )
 from strategies.downlink import Broadcast, Part
+from strategies.rounds import Update
 
 
-def test_instruction_round_trip_carries_the_broadcast_as_one_array() -> None:
+def test_instruction_round_trip_carries_the_broadcast() -> None:
     broadcast = Broadcast(2, (Part(3, "edgefl.topk.v1", b"abc"), Part(5, "edgefl.int8.v1", b"defg")))
-    content = instruction_content(TrainInstruction({"dataset": "digits"}, 3, 7, broadcast))
-    assert len(content.array_records[ARRAYS]) == 1
-    instr = parse_instruction(content)
-    assert (instr.job, instr.next_round, instr.last_round, instr.broadcast) == ({"dataset": "digits"}, 3, 7, broadcast)
-    assert parse_instruction(instruction_content(TrainInstruction({}, 1, 1, None))).broadcast is None
-
-
-def test_instruction_with_a_broadcast_that_does_not_add_up_is_refused() -> None:
-    content = instruction_content(TrainInstruction({}, 1, 1, Broadcast(0, (Part(1, "edgefl.topk.v1", b"abc"),))))
-    content[CONFIG]["sizes"] = [4]
-    with pytest.raises(ValueError, match="do not add up"):
-        parse_instruction(content)
-    del content.array_records[ARRAYS]
-    with pytest.raises(KeyError):  # metadata without the bundle
-        parse_instruction(content)
+    instr = TrainInstruction('{"dataset": "digits"}', 3, 7, broadcast)
+    assert parse_instruction(instruction_content(instr)) == instr
+    assert parse_instruction(instruction_content(TrainInstruction("{}", 1, 1, None))).broadcast is None
 
 
 def _reply() -> TrainReply:
-    updates = [UpdateMeta(1, "edgefl.none.v1", 3, 10, 0.5, 1.0), UpdateMeta(2, "edgefl.topk.v1", 2, 10, 0.4, 0.9)]
-    return TrainReply(0, updates, b"abcde", {"peak_rss_mb": 100.0})
+    updates = (Update(1, "edgefl.none.v1", b"abc", 10, 0.5, 1.0), Update(2, "edgefl.topk.v1", b"de", 10, 0.4, math.nan))
+    return TrainReply(0, updates, {"peak_rss_mb": 100.0}, "fast")
 
 
-def test_reply_round_trip_splits_the_bundle() -> None:
-    content = reply_content(_reply())
-    assert len(content.array_records[ARRAYS]) == 1
-    parsed = parse_reply(content)
-    assert [m.round for m in parsed.updates] == [1, 2] and parsed.payloads() == [b"abc", b"de"]
-    assert parsed.health == {"peak_rss_mb": 100.0}
+def test_reply_round_trip_gives_back_the_same_update_records() -> None:
+    parsed = parse_reply(reply_content(_reply()))
+    assert parsed.updates[0] == _reply().updates[0]  # one record, agent to server
+    assert parsed.updates[1].payload == b"de" and math.isnan(parsed.updates[1].loss)
+    assert (parsed.health, parsed.transport) == ({"peak_rss_mb": 100.0}, "fast")
 
 
-@pytest.mark.parametrize("field", ["sizes", "rounds"])
-def test_inconsistent_replies_are_refused(field: str) -> None:
-    content = reply_content(_reply())
-    config = content[CONFIG]
-    config[field] = [*list(config[field]), 9] if field == "rounds" else [3, 3]
-    with pytest.raises(ValueError):
-        parse_reply(content)
+def test_a_message_is_three_flower_objects_however_large(flower_task: None) -> None:
+    """Message, RecordDict, ConfigRecord: one round of parallel object requests over the link each way."""
+    big = TrainReply(0, tuple(Update(r, "edgefl.none.v1", bytes(400_000), 1) for r in (1, 2, 3)))
+    for content in (
+        reply_content(_reply()),
+        reply_content(big),
+        instruction_content(TrainInstruction("{}", 1, 1, None)),
+    ):
+        assert wire_size(Message(content, dst_node_id=1, message_type="train")).objects == 3
+    assert wire_size(Message(reply_content(big), dst_node_id=1, message_type="train")).bytes > 1_200_000
+
+
+def _tampered(content: RecordDict, **header: object) -> RecordDict:
+    record = content.config_records[RECORD]
+    return RecordDict({RECORD: ConfigRecord({HEADER: json.dumps({**json.loads(record[HEADER]), **header}),
+                                             PAYLOAD: record[PAYLOAD]})})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"updates": [{"round": 1, "stype": "x", "size": 4, "num-examples": 1, "train-s": 0, "loss": 0}]},  # 4 ≠ 5
+        {"updates": [{"round": 1, "stype": "x", "size": -1, "num-examples": 1, "train-s": 0, "loss": 0}]},
+        {"updates": [{"round": 1}]},
+        {"health": []},
+        {"partition-id": "zero"},
+    ],
+)
+def test_inconsistent_replies_are_refused(change: dict) -> None:
+    with pytest.raises(WireError):
+        parse_reply(_tampered(reply_content(_reply()), **change))
+
+
+def test_instructions_that_do_not_add_up_are_refused() -> None:
+    content = instruction_content(TrainInstruction("{}", 1, 1, Broadcast(0, (Part(1, "edgefl.topk.v1", b"abc"),))))
+    with pytest.raises(WireError, match="do not add up"):
+        parse_instruction(_tampered(content, broadcast={"base-round": 0, "rounds": [1], "stypes": ["s"], "sizes": [4]}))
+    header = json.dumps({"job": "{}", "next-round": 1, "last-round": 1})
+    with pytest.raises(WireError, match="without a broadcast"):
+        parse_instruction(RecordDict({RECORD: ConfigRecord({HEADER: header, PAYLOAD: b"abc"})}))
+    with pytest.raises(WireError, match="not an edgefl message"):
+        parse_instruction(RecordDict({"other": ConfigRecord({"x": 1})}))

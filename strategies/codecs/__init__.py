@@ -1,8 +1,9 @@
-"""Compressed update codecs: client-side compressor + memory, server-side decode/accumulate by wire type.
+"""Compressed update codecs: client-side compressor + memory, server-side decode by wire type.
 
-Client: `codec = make_client_codec("topk:0.01", layout, seed)`; each round `stype, payload = codec.encode(u,
-server_round)`. Server: `server_compressor(stype).accumulate(acc, payload, layout, weight)` or `.decode(...)`,
-which raise MalformedUpdate (one-line reason) for any payload that is not a valid update for the layout.
+Client: `codec = make_client_codec("topk:0.01", layout, seed)`; each round `codec.encode(u, server_round)`
+gives the wire type, the payload and the update the server will decode from it. Server:
+`server_compressor(stype).decode(payload, layout)`, which raises MalformedUpdate (one-line reason) for any
+payload that is not a valid update for the layout.
 """
 
 from strategies.codecs.base import (
@@ -13,7 +14,7 @@ from strategies.codecs.base import (
     MalformedUpdate,
     dense_payload_size,
 )
-from strategies.codecs.client import ClientCodec
+from strategies.codecs.client import ClientCodec, Encoded
 from strategies.codecs.dgc import DGC_STAGES, DGCOptions
 from strategies.codecs.registry import (
     CODEC_NAMES,
@@ -32,6 +33,7 @@ __all__ = [
     "Compressor",
     "CompressorState",
     "DGCOptions",
+    "Encoded",
     "Layout",
     "MalformedUpdate",
     "dense_payload_size",

@@ -21,8 +21,6 @@ import numpy.typing as npt
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 """(name, shape) per tensor, in order; the sizes sum to the update length P."""
 Vector = npt.NDArray[np.float32]
-Accumulator = npt.NDArray[np.floating]
-"""The server's running weighted sum (float32 or float64, length P)."""
 
 FORMAT_VERSION = 1
 DENSE_HEADER = struct.Struct("<BI")  # version, P
@@ -66,10 +64,6 @@ class Compressor(Protocol):
     def decode(self, payload: bytes, layout: Layout) -> Vector:
         """Validate payload and return the dense update it carries; raises MalformedUpdate."""
         ...
-
-    def accumulate(self, acc: Accumulator, payload: bytes, layout: Layout, weight: float) -> None:
-        """acc += weight · decode(payload); sparse formats override this to cost O(payload)."""
-        acc += weight * self.decode(payload, layout)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from strategies.codecs.base import CodecError, Compressor, Layout, Vector, dense_payload_size, layout_info
 from strategies.codecs.dense import NoCompression
 from strategies.codecs.memory import Memory
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One update as it leaves the client: its wire type and payload, and the update the server will decode
+    from them (what DGA's correction subtracts later)."""
+
+    stype: str
+    payload: bytes
+    decoded: Vector
 
 
 class ClientCodec:
@@ -24,8 +35,8 @@ class ClientCodec:
         self.seed = seed
         self.size = layout_info(layout).size
 
-    def encode(self, u: np.ndarray, server_round: int) -> tuple[str, bytes]:
-        """(stype, payload) for this round's flat update u; updates the memory.
+    def encode(self, u: np.ndarray, server_round: int) -> Encoded:
+        """This round's flat update u encoded; updates the memory.
 
         server_round (1-based) drives DGC's sparsity warm-up and, with the seed, this round's randomness, so
         encodings are reproducible and no generator state needs saving. A payload larger than the dense
@@ -33,8 +44,9 @@ class ClientCodec:
         """
         v = self.memory.compensate(self._checked(u))
         compressor, payload = self._compress(v, server_round)
-        self.memory.update(v, compressor.decode(payload, self.layout))
-        return compressor.stype, payload
+        decoded = compressor.decode(payload, self.layout)
+        self.memory.update(v, decoded)
+        return Encoded(compressor.stype, payload, decoded)
 
     def compress(self, v: np.ndarray, server_round: int) -> tuple[str, bytes]:
         """(stype, payload) for v exactly as given: the memory supplies the compressor's inputs (DGC's density,

@@ -8,7 +8,6 @@ import numpy.typing as npt
 from strategies.codecs.base import (
     DENSE_HEADER,
     FORMAT_VERSION,
-    Accumulator,
     Compressor,
     CompressorState,
     Layout,
@@ -39,9 +38,6 @@ class NoCompression(Compressor):
 
     def decode(self, payload: bytes, layout: Layout) -> Vector:
         return self._values(payload, layout).astype(np.float32)
-
-    def accumulate(self, acc: Accumulator, payload: bytes, layout: Layout, weight: float) -> None:
-        acc += weight * self._values(payload, layout)
 
     def _values(self, payload: bytes, layout: Layout) -> npt.NDArray[np.float32]:
         """A read-only view of the validated float32 values."""

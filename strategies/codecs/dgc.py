@@ -28,7 +28,6 @@ import numpy.typing as npt
 
 from strategies.codecs.base import (
     FORMAT_VERSION,
-    Accumulator,
     CodecError,
     Compressor,
     CompressorState,
@@ -193,11 +192,6 @@ class DGCCompressor(Compressor):
         out[indices] = values
         out[dgc_plan(layout).dense_positions] = dense
         return out
-
-    def accumulate(self, acc: Accumulator, payload: bytes, layout: Layout, weight: float) -> None:
-        indices, values, dense = self._parts(payload, layout)
-        acc[indices] += weight * values
-        acc[dgc_plan(layout).dense_positions] += weight * dense
 
     def _parts(self, payload: bytes, layout: Layout) -> tuple[Indices, Vector, npt.NDArray[np.float32]]:
         """Validated sparse indices and values, and the dense values."""

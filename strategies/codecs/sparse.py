@@ -1,8 +1,7 @@
 """Sparse formats: top-k (Aji & Heafield 2017) and threshold quantization (Strom 2015), both with residuals.
 
 A sparse section is k strictly increasing indices in the narrowest type (uint16 when P ≤ 65536, else uint32)
-followed by per-entry data. Indices are validated unique, so `accumulate` adds with one fancy-index update at
-O(k) cost instead of materialising the dense vector.
+followed by per-entry data. Indices are validated strictly increasing, hence unique.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import numpy.typing as npt
 
 from strategies.codecs.base import (
     FORMAT_VERSION,
-    Accumulator,
     Compressor,
     CompressorState,
     Layout,
@@ -98,10 +96,6 @@ class SparseCompressor(Compressor):
 
     def decode(self, payload: bytes, layout: Layout) -> Vector:
         return scatter(*self._entries(payload, layout), layout_info(layout).size)
-
-    def accumulate(self, acc: Accumulator, payload: bytes, layout: Layout, weight: float) -> None:
-        indices, values = self._entries(payload, layout)
-        acc[indices] += weight * values
 
 
 @dataclass(frozen=True)

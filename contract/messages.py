@@ -1,0 +1,28 @@
+"""The two messages of a training exchange as typed records (no Flower here; ``contract.wire`` lays them out in
+Flower's). Down, server → device: the run's job, the rounds the device may train and, when it does not hold it
+yet, the global model as a ``Broadcast``. Up, device → server: every update it has ready, one ``Update``
+record each, all the way from the agent to the server's ``RoundEngine``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from strategies.downlink import Broadcast
+from strategies.rounds import Update
+
+
+@dataclass(frozen=True)
+class TrainInstruction:
+    job: str  # contract.settings.ClientJob as JSON: parsed once per run, by the device
+    next_round: int
+    last_round: int
+    broadcast: Broadcast | None  # None when the device already holds the newest global model
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    partition_id: int
+    updates: tuple[Update, ...]
+    health: dict[str, Any] = field(default_factory=dict)  # edge.health.health_snapshot()
+    transport: str = "stock"  # contract.transport: how this device's SuperNode moves messages

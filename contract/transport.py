@@ -1,0 +1,161 @@
+"""Flower 1.41's fixed waits on the message path, shortened: the one place edgefl changes Flower's private
+behaviour. Each row is a wait in Flower's own code that a message round trip pays:
+
+| where (flwr 1.41.0)                                  | stock                    | tuned                          |
+|------------------------------------------------------|--------------------------|--------------------------------|
+| SuperNode, after a pull for messages found none      | 3 s                      | 10 ms, ×1.5 per empty pull,    |
+| (``start_client_internal``; one Fleet request each)  |                          | 250 ms at most (IDLE_POLL_S)   |
+| SuperNode, waiting for the reply and its objects     | 0.5 s                    | 5 ms (REPLY_POLL_S)            |
+| (``_push_messages``; its own memory, no request)     |                          |                                |
+| ``pull_objects``, an object still uploading (a reply | 1 s, doubling to 10 s,   | 10 ms, doubling to 50 ms, until|
+| is listed before its upload completes)               | 500 tries                | Flower's 2 h (RETRY_BACKOFF_S) |
+| objects pulled or pushed in parallel                 | min(2, cores)            | 8 (CONCURRENCY)                |
+
+The SuperNode (``python -m fl_client.supernode``) and edgefl's ServerApp call ``tune()`` before Flower moves a
+message. It changes nothing unless the installed flwr is ``FLWR_VERSION`` and the source of every function it
+changes hashes to what was read when these values were chosen; otherwise — or with ``EDGEFL_TRANSPORT=stock``
+— Flower runs stock and ``tune()`` says why in one log line. Either way the run records which (``fast`` or
+``stock``). Flower's own FedAvg baseline never calls it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("edgefl.transport")
+
+FLWR_VERSION = "1.41.0"
+STOCK_ENV = "EDGEFL_TRANSPORT"  # "stock": leave Flower as it is
+FAST, STOCK = "fast", "stock"
+
+IDLE_POLL_S = (0.01, 0.25)  # a SuperNode's next pull after an empty one: 10 ms after a message, backing off to
+# 250 ms. An empty pull costs the SuperLink ~5 ms of CPU: a fixed short poll would cost a core on a small host.
+REPLY_POLL_S = 0.005  # the SuperNode checks its own in-memory state for the reply
+RETRY_BACKOFF_S = (0.01, 0.05)  # first retry, then doubling up to the cap: a doubling up to 10 s overshoots an
+# upload that takes seconds over a slow link by up to as long again
+CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 3 objects each way
+STOCK_IDLE_S, STOCK_REPLY_S = 3, 0.5  # the literal sleeps in Flower's SuperNode loop
+
+# sha256 (first 16 hex digits) of inspect.getsource of each function whose behaviour changes, in flwr 1.41.0
+EXPECTED_SOURCE = {
+    "flwr.supernode.start_client_internal.start_client_internal": "9e89a6eb68fbec68",
+    "flwr.supernode.start_client_internal._push_messages": "00bb86faffdec114",
+    "flwr.supernode.start_client_internal._pull_and_store_message": "eaf5d0e36dc34e4c",
+    "flwr.supercore.inflatable.inflatable_utils.pull_objects": "31bb2de46b450e6a",
+    "flwr.supercore.inflatable.inflatable_utils.push_objects": "5893dafc584a46c8",
+    "flwr.supercore.inflatable.inflatable_utils.push_object_contents_from_iterable": "89d2efe1cf720c91",
+    "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
+}
+
+_applied: str | None = None
+
+
+def source_digest(function: Callable[..., Any]) -> str:
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+
+
+def _function(qualified: str) -> Callable[..., Any]:
+    module_name, _, name = qualified.rpartition(".")
+    module = __import__(module_name, fromlist=[name])
+    return getattr(module, name)
+
+
+def why_stock() -> str | None:
+    """None when Flower can be tuned here; otherwise the reason it runs stock (one line)."""
+    if os.environ.get(STOCK_ENV, FAST) == STOCK:
+        return f"{STOCK_ENV}=stock"
+    from flwr.supercore.version import package_version
+
+    if package_version != FLWR_VERSION:
+        return f"flwr {package_version} is installed; edgefl tunes the waits of flwr {FLWR_VERSION} only"
+    for qualified, digest in EXPECTED_SOURCE.items():
+        try:
+            found = source_digest(_function(qualified))
+        except (ImportError, AttributeError, OSError, TypeError):
+            return f"{qualified} is missing"
+        if found != digest:
+            return f"{qualified} is not the code edgefl tunes (source digest {found}, expected {digest})"
+    return None
+
+
+class _IdleBackoff:
+    """The SuperNode's wait after an empty pull: ``IDLE_POLL_S[0]`` after a message, ×1.5 per empty pull up to
+    ``IDLE_POLL_S[1]``: a message that follows a reply soon (the next round) is pulled at once, and an idle
+    node costs the SuperLink a few requests a second."""
+
+    def __init__(self) -> None:
+        self.delay = IDLE_POLL_S[0]
+
+    def received(self) -> None:
+        self.delay = IDLE_POLL_S[0]
+
+    def wait(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 1.5, IDLE_POLL_S[1])
+
+
+class _TunedClock:
+    """Stands in for the ``time`` module inside ``flwr.supernode.start_client_internal``: its two literal sleeps
+    are replaced; every other call reaches ``time`` unchanged."""
+
+    def __init__(self, idle: _IdleBackoff) -> None:
+        self._idle = idle
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == STOCK_IDLE_S:
+            self._idle.wait()
+        else:
+            time.sleep(REPLY_POLL_S if seconds == STOCK_REPLY_S else seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def _set_defaults(function: Callable[..., Any], **defaults: float) -> None:
+    function.__kwdefaults__.update(defaults)  # type: ignore[union-attr]
+
+
+def _apply() -> None:
+    from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supernode import start_client_internal
+
+    loop: ModuleType = start_client_internal
+    idle, pull = _IdleBackoff(), loop._pull_and_store_message
+
+    def pull_and_note(*args: Any, **kwargs: Any) -> int | None:
+        run_id = pull(*args, **kwargs)
+        if run_id is not None:
+            idle.received()
+        return run_id
+
+    loop.time = _TunedClock(idle)  # type: ignore[attr-defined]
+    loop._pull_and_store_message = pull_and_note  # type: ignore[attr-defined]
+    _set_defaults(
+        inflatable_utils.pull_objects,
+        initial_backoff=RETRY_BACKOFF_S[0], backoff_cap=RETRY_BACKOFF_S[1], max_concurrent_pulls=CONCURRENCY,
+        max_tries_per_object=None,  # 500 short retries would give up on a long upload; max_time (2 h) still holds
+    )  # fmt: skip
+    _set_defaults(inflatable_utils.push_objects, max_concurrent_pushes=CONCURRENCY)
+    _set_defaults(inflatable_utils.push_object_contents_from_iterable, max_concurrent_pushes=CONCURRENCY)
+    inflatable_utils.get_num_workers = lambda max_concurrent: max_concurrent  # type: ignore[assignment]
+
+
+def tune() -> str:
+    """Shorten Flower's waits in this process if the check passes; returns ``fast`` or ``stock`` (idempotent)."""
+    global _applied
+    if _applied is None:
+        reason = why_stock()
+        if reason is None:
+            _apply()
+            _applied = FAST
+        else:
+            log.warning("edgefl: Flower's stock message path (%s)", reason)
+            _applied = STOCK
+    return _applied

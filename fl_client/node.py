@@ -1,0 +1,57 @@
+"""A device's agent process: the edge agent, serving the tasks of the SuperNode beside it.
+
+    python -m fl_client.node --runtime-api 127.0.0.1:9094 --secret-file node.secret [--data-dir DIR]
+        [--job job.json --partition-id I --num-partitions N] [--ready-file FILE]
+
+``--job`` loads the coming run's data and model before its first message, so round 1 does not pay for it.
+SIGTERM or SIGINT stops it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from contract.transport import why_stock
+from edge.agent import EdgeAgent
+from fl_client.app import app, attach
+from fl_client.tasks import TaskServer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fl_client.node", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runtime-api", required=True, metavar="HOST:PORT", help="the SuperNode's Runtime API")
+    parser.add_argument("--secret-file", type=Path, help="the SuperNode's --superexec-auth-secret-file")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--data-dir", default="", help="this device's folder of the data set (overrides the run's)")
+    parser.add_argument("--job", type=Path, help="JSON job of the coming run: load its data before round 1")
+    parser.add_argument("--ready-file", type=Path, help="written once the agent is ready (its data loaded)")
+    parser.add_argument("--partition-id", type=int, default=0)
+    parser.add_argument("--num-partitions", type=int, default=1)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Runtime API request otherwise
+    torch.set_num_threads(args.threads)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent = EdgeAgent(args.data_dir, transport="stock" if why_stock() else "fast")
+    if args.job:
+        agent.session_for(args.job.read_text(), args.partition_id, args.num_partitions)
+    attach(agent)
+    if args.ready_file:
+        args.ready_file.write_text(f"{os.getpid()}\n")
+    secret = args.secret_file.read_bytes() if args.secret_file else None
+    try:
+        TaskServer(args.runtime_api, app, secret).serve(stop)
+    finally:
+        agent.stop()
+
+
+if __name__ == "__main__":
+    main()

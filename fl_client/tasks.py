@@ -1,0 +1,216 @@
+"""Serving a SuperNode's tasks from this long-lived process over Flower's Runtime API, with the SuperNode in
+``--isolation process``. Flower's own ``flwr-clientapp`` serves ONE task and exits, so Flower starts a process
+(and imports the model's libraries) for every message; here the loop goes on and the ClientApp keeps its state.
+
+Per task, the calls ``flwr-clientapp`` makes: AcquireTask (signed with the SuperExec secret when the node has
+one) → PullTaskInput, PullMessages, PullObject × n, ConfirmMessageReceived → the ClientApp → PushMessages,
+PushObject × m → PushTaskOutput. A heartbeat keeps the task claimed while the ClientApp works (Flower fails a
+task that sends none for 60 s). The Runtime API listens on the device's loopback only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+from flwr.app import Context, Error, Message
+from flwr.app.message import remove_content_from_message
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode, SubStatus
+from flwr.common.serde import context_from_proto, context_to_proto, message_to_proto
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+    AcquireTaskRequest,
+    PullAppMessagesRequest,
+    PullTaskInputRequest,
+    PushAppMessagesRequest,
+    PushTaskOutputRequest,
+    SendTaskHeartbeatRequest,
+)
+from flwr.supercore.constant import TaskType
+from flwr.supercore.heartbeat import HeartbeatSender
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree, no_object_id_recompute
+from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+    make_confirm_message_received_fn_protobuf,
+    make_pull_object_fn_protobuf,
+    make_push_object_fn_protobuf,
+)
+from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree, push_objects
+from flwr.supercore.interceptors import (
+    RuntimeTokenHttpInterceptor,
+    RuntimeVersionHttpInterceptor,
+    SuperExecAuthHttpInterceptor,
+)
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.task_identity import TaskIdentity
+
+from contract.transport import CONCURRENCY, RETRY_BACKOFF_S
+
+log = logging.getLogger("edgefl.tasks")
+
+COMPONENT = "flwr-clientapp"  # what this process is to the SuperNode's version check
+ACQUIRE = "/flwr.proto.Runtime/AcquireTask"
+POLL_S = (0.005, 0.1)  # an empty AcquireTask is retried after 5 ms, ×1.5 each time, up to 100 ms
+RECONNECT_S = 0.5  # the SuperNode is not (yet, or no longer) up
+LOG_PREFIX = "served task "
+INPUT_WAIT_S = 5.0  # the task's message is stored right after the task: wait this long for it at most
+
+
+@dataclass(frozen=True)
+class TaskTiming:
+    """Monotonic times of one task in this process (comparable with the server's on one host)."""
+
+    message_id: str
+    claimed: float
+    pulled: float
+    answered: float
+    pushed: float
+
+    def log_line(self) -> str:
+        return LOG_PREFIX + json.dumps(self.__dict__)
+
+    @classmethod
+    def from_log(cls, text: str) -> list[TaskTiming]:
+        """Every task timing in an agent's log."""
+        found = re.findall(re.escape(LOG_PREFIX) + r"(\{.*\})", text)
+        return [cls(**json.loads(payload)) for payload in found]
+
+
+class TaskServer:
+    """Claims the tasks of the SuperNode whose Runtime API is at ``address`` (HOST:PORT) and runs ``app`` on
+    each, one at a time, until ``stop`` is set. ``secret``: the SuperNode's SuperExec auth secret, if any."""
+
+    def __init__(self, address: str, app: ClientApp, secret: bytes | None = None) -> None:
+        self.address = address
+        self.app = app
+        interceptors = [RuntimeVersionHttpInterceptor(component_name=COMPONENT)]
+        if secret:
+            interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE}))
+        self._claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
+
+    def serve(self, stop: threading.Event) -> None:
+        delay, connected = POLL_S[0], None
+        while not stop.is_set():
+            try:
+                served = self.serve_one()
+            except httpx.TransportError as exc:
+                if connected is not False:
+                    log.warning("no SuperNode at %s (%s); retrying every %.1f s", self.address, exc, RECONNECT_S)
+                connected = False
+                stop.wait(RECONNECT_S)
+                continue
+            if connected is not True:
+                log.info("serving the tasks of the SuperNode at %s", self.address)
+                connected = True
+            delay = POLL_S[0] if served else min(delay * 1.5, POLL_S[1])
+            if not served:
+                stop.wait(delay)
+
+    def serve_one(self) -> bool:
+        """Claim one pending task and serve it; False when there was none."""
+        claim = self._claims.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+        if not (claim.HasField("task") and claim.token):
+            return False
+        claimed = time.monotonic()
+        client = RuntimeHttpClient.from_server_address(
+            self.address, True, None,
+            [RuntimeVersionHttpInterceptor(component_name=COMPONENT), RuntimeTokenHttpInterceptor(claim.token)],
+        )  # fmt: skip
+        heartbeat = HeartbeatSender(lambda: _heartbeat(client, claim.task.task_id))
+        heartbeat.start()
+        try:
+            self._serve(client, claimed)
+        finally:
+            heartbeat.stop()
+            client.close()
+        return True
+
+    def _serve(self, client: RuntimeHttpClient, claimed: float) -> None:
+        message = context = None
+        status, details = SubStatus.FAILED, "the ClientApp failed"
+        try:
+            message, context = _pull_input(client)
+            pulled = time.monotonic()
+            reply = self.app(message, context)
+            status, details = SubStatus.COMPLETED, ""
+        except Exception as exc:  # the server is told, as flwr-clientapp tells it
+            log.exception("task failed")
+            details = f"{type(exc).__name__}: {exc}"
+            if message is None:
+                _push_output(client, context, status, details)
+                return
+            pulled = time.monotonic()
+            reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, details), reply_to=message)
+        answered = time.monotonic()
+        try:
+            _push_reply(client, reply, context)
+        finally:
+            _push_output(client, context, status, details)
+        log.info(TaskTiming(message.metadata.message_id, claimed, pulled, answered, time.monotonic()).log_line())
+
+
+def _heartbeat(client: RuntimeHttpClient, task_id: int) -> bool:
+    """One task heartbeat; a refused one (the task expired) is logged, not turned into SIGINT as Flower's is."""
+    try:
+        if not client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success:
+            log.warning("the SuperNode no longer holds task %d", task_id)
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def _pull_input(client: RuntimeHttpClient) -> tuple[Message, Context]:
+    """The task's message and context, as ``flwr-clientapp`` pulls them but with edgefl's retry backoff: the
+    objects may still be on their way from the SuperLink."""
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    context = context_from_proto(res.context)
+    deadline = time.monotonic() + INPUT_WAIT_S
+    while not (pulled := client.PullMessages(PullAppMessagesRequest())).messages_list:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the SuperNode stored no message for task {res.task_id}")
+        time.sleep(RETRY_BACKOFF_S[0])
+    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree,
+        make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message,
+        max_concurrent_pulls=CONCURRENCY,
+        initial_backoff=RETRY_BACKOFF_S[0],
+        backoff_cap=RETRY_BACKOFF_S[1],
+        max_tries_per_object=None,  # the objects may take long over a slow link; Flower's 2 h max_time holds
+    )
+    message.metadata.__dict__["_message_id"] = tree.object_id
+    return message, context
+
+
+def _push_reply(client: RuntimeHttpClient, reply: Message, context: Context) -> None:
+    reply.metadata.__dict__["_message_id"] = reply.object_id
+    with no_object_id_recompute():
+        pushed = client.PushMessages(
+            PushAppMessagesRequest(
+                messages_list=[message_to_proto(remove_content_from_message(reply))],
+                message_object_trees=[get_object_tree(reply)],
+            )
+        )
+        push_objects(
+            get_all_nested_objects(reply),
+            make_push_object_fn_protobuf(
+                client.PushObject, Node(node_id=context.node_id), context.run_id, pushed.session_id
+            ),
+            object_ids_to_push=set(pushed.objects_to_push),
+            max_concurrent_pushes=CONCURRENCY,
+        )
+
+
+def _push_output(client: RuntimeHttpClient, context: Context | None, status: str, details: str) -> None:
+    client.PushTaskOutput(
+        PushTaskOutputRequest(
+            context=context_to_proto(context) if context else None, sub_status=status, details=details
+        )
+    )

@@ -1,0 +1,83 @@
+"""Flower's waits as edgefl tunes them (``contract.transport``): the check that guards the change, the fallback to
+stock Flower, and what the tuned SuperNode does with its idle polls. Each case runs in a fresh interpreter, as
+the SuperNode and the ServerApp do, so this process's Flower stays stock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from contract.transport import IDLE_POLL_S
+from tests.conftest import REPO
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, cwd=REPO, timeout=120, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def test_the_installed_flower_is_the_code_edgefl_tunes() -> None:
+    """Fails after a Flower upgrade that moves any of the waits edgefl changes: re-read them, then update the
+    digests in contract.transport (the run would otherwise go on with stock Flower, slower)."""
+    done = _python("from contract.transport import why_stock; print(why_stock())")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"
+
+
+def test_tune_changes_flowers_waits() -> None:
+    done = _python("""
+        import time
+        from contract.transport import tune
+        from flwr.supernode import start_client_internal as loop
+        from flwr.supercore.inflatable import inflatable_utils as objects
+        print(tune())
+        print(loop.time is time, objects.pull_objects.__kwdefaults__["initial_backoff"], objects.get_num_workers(8))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["fast", "False", "0.01", "8"]
+
+
+def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
+    done = _python("""
+        import time
+        import contract.transport as transport
+        from flwr.supernode import start_client_internal as loop
+        from flwr.supercore.inflatable import inflatable_utils as objects
+        name = "flwr.supernode.start_client_internal._push_messages"
+        transport.EXPECTED_SOURCE[name] = "0000000000000000"  # as after an upgrade
+        print(transport.tune())
+        print(loop.time is time, objects.pull_objects.__kwdefaults__["initial_backoff"])
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["stock", "True", "1"]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "_push_messages is not the code edgefl tunes" in lines[0], lines
+
+
+def test_edgefl_transport_stock_leaves_flower_as_it_is() -> None:
+    done = _python("from contract.transport import tune; print(tune())", EDGEFL_TRANSPORT="stock")
+    assert done.returncode == 0 and done.stdout.strip() == "stock"
+    assert "EDGEFL_TRANSPORT=stock" in done.stderr
+
+
+def test_an_idle_supernode_backs_off_and_a_message_resets_its_poll(monkeypatch) -> None:
+    import contract.transport as transport
+
+    slept: list[float] = []
+    monkeypatch.setattr(transport.time, "sleep", slept.append)
+    idle = transport._IdleBackoff()
+    for _ in range(12):
+        idle.wait()
+    idle.received()
+    idle.wait()
+    assert slept[0] == IDLE_POLL_S[0] and slept[-1] == IDLE_POLL_S[0]
+    assert all(b >= a for a, b in zip(slept[:12], slept[1:12], strict=False))
+    assert max(slept) == IDLE_POLL_S[1]
+    clock = transport._TunedClock(idle)
+    clock.sleep(transport.STOCK_REPLY_S)
+    clock.sleep(0.2)  # any other sleep of Flower's is left as it is
+    assert slept[-2:] == [transport.REPLY_POLL_S, 0.2]
