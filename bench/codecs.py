@@ -23,7 +23,7 @@ import torch
 from results import write_result
 from sim import SimConfig, SimResult, simulate
 
-from edgefl.config import build_config
+from contract.settings import build_config
 from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run

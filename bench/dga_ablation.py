@@ -18,8 +18,8 @@ import torch
 from results import print_row_done, write_result
 from sim import SimConfig, simulate
 
-from edge.trainer import scheduled_lr
-from edgefl.config import LR_SCHEDULES
+from contract.settings import LR_SCHEDULES
+from ml.trainer import scheduled_lr
 
 
 def main() -> int:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from results import write_result
 
+from contract.settings import build_config
 from edgefl.compare import run_dir_for
-from edgefl.config import build_config
 from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run, plot_runs, table

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from results import write_result
 
-from edgefl.config import build_config
+from contract.settings import build_config
 from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run

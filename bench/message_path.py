@@ -29,13 +29,13 @@ from pathlib import Path
 
 from results import write_result
 
+from contract.run_folder import MESSAGES, read_rounds
+from contract.settings import build_config
 from contract.transport import CONCURRENCY, STOCK, STOCK_ENV
 from edgefl.compare import run_dir_for
-from edgefl.config import build_config
 from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
 from fl_client.tasks import TaskTiming
-from fl_server.results import MESSAGES, read_rounds
 
 PATHS = {  # name: (strategy, EDGEFL_TRANSPORT)
     "flower": ("flower-fedavg", ""),
@@ -57,7 +57,10 @@ def sequential_requests(objects_down: int, objects_up: int, concurrency: int) ->
 
 def measure(run_dir: Path, path: str, clients: int) -> dict:
     """Medians over the messages after round 1."""
-    trips = read_rounds(run_dir, MESSAGES)[clients:]  # round 1: one message per client, start-up included
+    trips = read_rounds(run_dir, MESSAGES)
+    if path != "flower":  # edgefl first asks each node which partition it trains: no training, no model
+        trips = [t for t in trips if t["rounds"]]
+    trips = trips[clients:]  # round 1: one message per client, start-up included
     tasks = {
         t.message_id: t for log in (run_dir / "logs").glob("agent-*.log") for t in TaskTiming.from_log(log.read_text())
     }

@@ -2,7 +2,7 @@
 
 Before round t every client receives the global model of round t − D − 1, never a newer one (in a deployment
 the engine hands out the newest model it has, so the real staleness is at most D; D = 0 is FedAvg). It uses the
-pieces a deployment uses — edge.trainer.LocalTrainer on each client's partition, strategies.dga's client
+pieces a deployment uses — ml.trainer.LocalTrainer on each client's partition, strategies.dga's client
 bookkeeping, the uplink codec from make_client_codec, and the server's decode + WeightedMean + apply_update as
 the RoundEngine does — without Flower, so that only the algorithm differs.
 """
@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edge.data import load_dataset, partition_indices
-from edge.models import build_model, get_flat_params, param_layout, set_flat_params
-from edge.trainer import LocalTrainer, evaluate
+from ml.data import load_dataset
+from ml.partition import partition_indices
+from ml.models import build_model, get_flat_params, param_layout, set_flat_params
+from ml.trainer import LocalTrainer, evaluate
 from strategies.codecs import dense_payload_size, make_client_codec, parse_codec, server_compressor
 from strategies.codecs.base import layout_info
 from strategies.dga import DelayedAveragingClient
@@ -63,15 +64,16 @@ def simulate(config: SimConfig, lr_at: Callable[[int], float] | None = None) -> 
     parts = partition_indices(dataset, config.partition, config.clients, config.seed)
     model = build_model(dataset, config.seed)
     layout = param_layout(model)
-    momentum = 0.0 if parse_codec(config.codec).holds_momentum else config.momentum
+    codec_spec = parse_codec(config.codec)
+    momentum = 0.0 if codec_spec.holds_momentum else config.momentum
     history = {0: get_flat_params(model)}
     trainers, clients, codecs = [], [], []
     for j, idx in enumerate(parts):
         seed = config.seed * 1000 + j
         local = build_model(dataset, config.seed)
-        x, y = dataset.x_train[idx], dataset.y_train[idx]
+        x, y = dataset.x_train.subset(idx), dataset.y_train[idx]
         trainers.append(LocalTrainer(local, x, y, config.batch_size, config.lr, momentum, seed))
-        codecs.append(make_client_codec(config.codec, layout, seed, config.clients))
+        codecs.append(make_client_codec(codec_spec, layout, seed, config.clients))
         clients.append(DelayedAveragingClient(config.delay, config.correction))
         clients[-1].receive_global(0, history[0])
     result = SimResult(config.clients, dense_payload_size(layout_info(layout).size))

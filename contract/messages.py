@@ -19,6 +19,16 @@ class TrainInstruction:
     last_round: int
     broadcast: Broadcast | None  # None when the device already holds the newest global model
 
+    @classmethod
+    def identify(cls, job: str) -> TrainInstruction:
+        """Asks for no round and brings no model: the device answers at once with its partition (or refuses the
+        run, if its partition does not fit the run's split)."""
+        return cls(job, 0, 0, None)
+
+    @property
+    def asks_for_rounds(self) -> bool:
+        return self.last_round >= 1
+
 
 @dataclass(frozen=True)
 class TrainReply:

@@ -1,20 +1,119 @@
-"""The settings a device needs for one run, as one typed record: the server builds it from the run's config,
-every message carries it (a few hundred bytes of JSON), the device parses it once per run."""
+"""A run's settings as typed records, the one home both ends import: ``RunConfig`` (what the server and the
+command read) and ``ClientJob`` (what every device is told). Defaults, then a TOML file (``--config``), then
+command-line flags, in that order; every ``NAME:VALUE`` setting is parsed once, when the record is made, into
+its spec (``RunConfig.strategy_spec``, ``codec_spec``, ...), which is what travels.
+
+The resolved config is written to ``runs/NAME/config.toml`` and can be fed back with ``--config`` to repeat the
+run; the ServerApp receives it in the app's run config (``RunConfig.to_run_config``), so it needs no file."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+import tomli_w
+
+from contract.errors import EdgeflError
+from strategies.codecs import CodecSpec, parse_codec
+from strategies.spec import Spec, StrategySpec, parse_aggregate, parse_strategy
+
+LR_SCHEDULES = ("constant", "cosine")  # see ml.trainer.scheduled_lr
+FEDERATIONS = ("local", "remote")
+
+
+class ConfigError(EdgeflError, ValueError):
+    """A setting that cannot be used; ``str()`` is one line for the user."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    strategy: str = "fedavg"
+    dataset: str = "fashion-mnist"
+    partition: str = "dirichlet:0.3"
+    clients: int = 4
+    rounds: int = 20
+    local_steps: int = 20
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    lr_schedule: str = "constant"  # or "cosine": decays over the run's rounds (ml.trainer.scheduled_lr)
+    seed: int = 0
+    target_accuracy: float | None = None
+    out: str = "runs/default"
+    data_dir: str = ""
+    profile: str = "loopback"
+    profiles_file: str = ""
+    device_profile: str = "laptop"
+    link_backend: str = "loopback"
+    compress: str = "none"
+    compress_down: str = "none"  # codec of the global model's deltas sent to clients (strategies.downlink)
+    quorum: float = 0.5
+    round_deadline_s: float = 120.0
+    port: int = 0
+    aggregate: str = "mean"  # mean | median | trimmed-mean:BETA | krum:F (fl_server.robust)
+    eval_examples: int = 0  # server-side evaluation on this many test examples (a fixed sample); 0 = all
+    federation: str = "local"  # local: this machine starts every process | remote: submit to a running SuperLink
+    server: str = ""  # remote: the SuperLink's HOST:PORT
+    root_cert: str = ""  # remote: the CA certificate (PEM) that signed the SuperLink's certificate
+    insecure: bool = False  # remote: plain-text connection to a SuperLink started with --insecure
+    # Parsed once, from the fields above, when the record is made:
+    strategy_spec: StrategySpec = field(init=False, repr=False, compare=False)
+    codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
+    downlink_spec: CodecSpec = field(init=False, repr=False, compare=False)
+    aggregate_spec: Spec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Parse the specs, and write the strategy and codecs in their canonical form (dga:D, topk:0.01)."""
+        parsed = {
+            "strategy_spec": parse_strategy(self.strategy),
+            "codec_spec": parse_codec(self.compress),
+            "downlink_spec": parse_codec(self.compress_down),
+            "aggregate_spec": parse_aggregate(self.aggregate),
+        }
+        for name, value in parsed.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "strategy", parsed["strategy_spec"].label)
+        object.__setattr__(self, "compress", parsed["codec_spec"].label)
+        object.__setattr__(self, "compress_down", parsed["downlink_spec"].label)
+
+    @property
+    def name(self) -> str:
+        return Path(self.out).name
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as written (keys with underscores), without the parsed specs."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+    def client_job(self) -> ClientJob:
+        """What every client needs to know to train this run."""
+        return ClientJob(
+            run=self.name, dataset=self.dataset, data_dir=self.data_dir, partition=self.partition,
+            clients=self.clients, seed=self.seed, rounds=self.rounds, local_steps=self.local_steps,
+            batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, lr_schedule=self.lr_schedule,
+            delay=self.strategy_spec.delay, correction=self.strategy_spec.correction, compress=self.compress,
+        )  # fmt: skip
+
+    def to_run_config(self) -> dict[str, str]:
+        """The record as the app's Flower run config (one TOML string), which Flower hands the ServerApp."""
+        return {"edgefl-config": tomli_w.dumps(_toml_values(self))}
+
+    @classmethod
+    def from_run_config(cls, run_config: dict[str, Any]) -> RunConfig:
+        return build_config_from(tomllib.loads(str(run_config["edgefl-config"])))
 
 
 @dataclass(frozen=True)
 class ClientJob:
+    """What a device needs to train one run; every message carries it as JSON, the device parses it once."""
+
     run: str
     dataset: str
     data_dir: str
     partition: str
+    clients: int  # the run's number of partitions: a device of another split is refused
     seed: int
     rounds: int
     local_steps: int
@@ -24,11 +123,15 @@ class ClientJob:
     lr_schedule: str
     delay: int  # DGA's D (0: FedAvg)
     correction: bool
-    codec: str
+    compress: str
+    codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "codec_spec", parse_codec(self.compress))
 
     def as_dict(self) -> dict[str, Any]:
         """Keys as users write them (``local-steps``)."""
-        return {key.replace("_", "-"): value for key, value in dataclasses.asdict(self).items()}
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self) if f.init}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), sort_keys=True)
@@ -40,14 +143,145 @@ class ClientJob:
         if not isinstance(raw, dict):
             raise ValueError("the job is not a JSON object")
         values = {key.replace("-", "_"): value for key, value in raw.items()}
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        if set(values) != set(fields):
-            raise ValueError(f"the job's keys {sorted(values)} are not {sorted(fields)}")
-        for name, kind in fields.items():
+        kinds = {f.name: f.type for f in fields(cls) if f.init}
+        if set(values) != set(kinds):
+            raise ValueError(f"the job's keys {sorted(values)} are not {sorted(kinds)}")
+        for name, kind in kinds.items():
             value = values[name]
             ok = {"str": isinstance(value, str), "bool": isinstance(value, bool)}.get(
                 kind, isinstance(value, int | float) and not isinstance(value, bool)
             )
             if not ok or (kind == "int" and not float(value).is_integer()):
                 raise ValueError(f"the job's {name.replace('_', '-')} is {value!r}, not a {kind}")
-        return cls(**{k: int(v) if fields[k] == "int" else v for k, v in values.items()})
+        return cls(**{k: int(v) if kinds[k] == "int" else v for k, v in values.items()})
+
+
+_FIELDS = {f.name: f for f in fields(RunConfig) if f.init}
+
+
+def _check(config: RunConfig) -> RunConfig:
+    positive = {
+        "clients": config.clients,
+        "rounds": config.rounds,
+        "local_steps": config.local_steps,
+        "batch_size": config.batch_size,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key.replace('_', '-')} must be at least 1, got {value}")
+    if not config.lr > 0:
+        raise ConfigError(f"lr must be positive, got {config.lr}")
+    if not 0 <= config.momentum < 1:
+        raise ConfigError(f"momentum must be in [0, 1), got {config.momentum}")
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"unknown lr-schedule {config.lr_schedule!r}; use {' or '.join(LR_SCHEDULES)}")
+    if config.eval_examples < 0:
+        raise ConfigError(f"eval-examples must be 0 (all) or positive, got {config.eval_examples}")
+    if config.target_accuracy is not None and not 0 < config.target_accuracy <= 1:
+        raise ConfigError(f"target-accuracy must be in (0, 1], got {config.target_accuracy}")
+    if not 0 < config.quorum <= 1:
+        raise ConfigError(f"quorum must be in (0, 1], got {config.quorum}")
+    if config.round_deadline_s <= 0:
+        raise ConfigError(f"round-deadline-s must be positive, got {config.round_deadline_s}")
+    if not 0 <= config.port < 65536:
+        raise ConfigError(f"port must be in 0..65535, got {config.port}")
+    if config.strategy_spec.name == "flower-fedavg" and (config.compress, config.compress_down) != ("none", "none"):
+        raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress and "
+                          "--compress-down")  # fmt: skip
+    _check_federation(config)
+    return config
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port); raises ConfigError."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{address!r} is not HOST:PORT with a port in 1..65535")
+    return host, int(port)
+
+
+def _check_federation(config: RunConfig) -> None:
+    if config.federation not in FEDERATIONS:
+        raise ConfigError(f"unknown federation {config.federation!r}: use {' or '.join(FEDERATIONS)}")
+    if config.federation == "local":
+        if config.server or config.root_cert or config.insecure:
+            raise ConfigError("--server, --root-cert and --insecure are for --federation remote")
+        return
+    if not config.server:
+        raise ConfigError("--federation remote needs --server HOST:PORT")
+    parse_address(config.server)
+    if config.root_cert and config.insecure:
+        raise ConfigError("give --root-cert (TLS) or --insecure (plain text), not both")
+    if not (config.root_cert or config.insecure):
+        raise ConfigError("--federation remote needs --root-cert FILE (the server's CA certificate) or --insecure")
+    if config.profile != "loopback":
+        raise ConfigError("link profiles shape the local testbed; a remote federation runs over the real network")
+    if config.device_profile != "laptop":
+        raise ConfigError("device profiles emulate local clients; a remote federation's devices are real")
+
+
+def _coerce(key: str, value: Any) -> Any:
+    field_ = _FIELDS[key]
+    kind = field_.type if isinstance(field_.type, str) else field_.type.__name__
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ConfigError(f"{key.replace('_', '-')} cannot be empty")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
+        return value
+    try:
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key.replace('_', '-')} must be a number, got {value!r}") from None
+    return str(value)
+
+
+def build_config_from(values: dict[str, Any]) -> RunConfig:
+    """A checked RunConfig from settings written with ``-`` or ``_`` in their keys."""
+    values = {key.replace("-", "_"): value for key, value in values.items()}
+    if unknown := sorted(set(values) - set(_FIELDS)):
+        raise ConfigError(f"unknown setting {unknown[0]!r}")
+    return _check(RunConfig(**{key: _coerce(key, value) for key, value in values.items()}))
+
+
+def build_config(file: str | Path | None = None, defaults: dict[str, Any] | None = None, **overrides: Any) -> RunConfig:
+    """RunConfig's defaults ← ``defaults`` (a command's own) ← TOML file ← overrides (None: 'not given')."""
+    values: dict[str, Any] = dict(defaults or {})
+    if file is not None:
+        values.update(load_toml(file))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return build_config_from(values)
+
+
+def load_toml(file: str | Path) -> dict[str, Any]:
+    path = Path(file)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values = {key.replace("-", "_"): value for key, value in raw.items()}
+    if unknown := sorted(set(values) - set(_FIELDS)):
+        raise ConfigError(f"config file {path}: unknown setting {unknown[0]!r}")
+    return values
+
+
+def _toml_values(config: RunConfig) -> dict[str, Any]:
+    return {k.replace("_", "-"): v for k, v in config.as_dict().items() if v is not None}
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    path.write_text(tomli_w.dumps(_toml_values(config)))
+
+
+def load_config(path: Path) -> RunConfig:
+    return build_config(path)

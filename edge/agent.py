@@ -22,11 +22,11 @@ import numpy as np
 
 from contract.messages import TrainInstruction, TrainReply
 from contract.settings import ClientJob
-from edge.data import load_dataset, partition_indices
 from edge.health import health_snapshot
-from edge.models import build_model, get_flat_params, param_layout, set_flat_params
-from edge.trainer import LocalTrainer, scheduled_lr
-from strategies.codecs import make_client_codec, parse_codec
+from ml.data import load_dataset, one_partition
+from ml.models import build_model, get_flat_params, param_layout, set_flat_params
+from ml.trainer import LocalTrainer, scheduled_lr
+from strategies.codecs import make_client_codec
 from strategies.dga import DelayedAveragingClient, reply_early
 from strategies.downlink import BroadcastDecoder
 from strategies.rounds import Update
@@ -45,16 +45,16 @@ class Session:
         self.job = job
         self.partition_id = partition_id
         dataset = load_dataset(job.dataset, data_dir or job.data_dir or None)
-        idx = partition_indices(dataset, job.partition, num_partitions, job.seed)[partition_id]
+        idx = one_partition(dataset, job.partition, num_partitions, job.seed, partition_id)
         self.num_examples = len(idx)
         self.model = build_model(dataset, job.seed)
         self.layout = param_layout(self.model)
         seed = job.seed * 1000 + partition_id
-        momentum = 0.0 if parse_codec(job.codec).holds_momentum else job.momentum
+        momentum = 0.0 if job.codec_spec.holds_momentum else job.momentum
         self.trainer = LocalTrainer(
-            self.model, dataset.x_train[idx], dataset.y_train[idx], job.batch_size, job.lr, momentum, seed
+            self.model, dataset.x_train.subset(idx), dataset.y_train[idx], job.batch_size, job.lr, momentum, seed
         )
-        self.codec = make_client_codec(job.codec, self.layout, seed=seed, num_clients=num_partitions)
+        self.codec = make_client_codec(job.codec_spec, self.layout, seed=seed, num_clients=num_partitions)
         self.dga = DelayedAveragingClient(job.delay, job.correction)
         self.broadcast = BroadcastDecoder(self.layout)
         self.last_round = job.rounds
@@ -156,7 +156,13 @@ class EdgeAgent:
         current = self._session
         if current and self._job_text == job_text and current.partition_id == partition_id:
             return current
-        session = Session(ClientJob.from_json(job_text), partition_id, num_partitions, self.data_dir)
+        job = ClientJob.from_json(job_text)
+        if num_partitions != job.clients or not 0 <= partition_id < job.clients:
+            reason = (f"this device is partition {partition_id} of {num_partitions}; the run {job.run!r} trains "
+                      f"partitions 0..{job.clients - 1} of {job.clients}")  # fmt: skip
+            log.error("refused: %s", reason)
+            raise AgentError(reason)
+        session = Session(job, partition_id, num_partitions, self.data_dir)
         with self._cond:
             self._session, self._job_text = session, job_text
             self._error = None
@@ -167,8 +173,10 @@ class EdgeAgent:
 
     def train(self, instr: TrainInstruction, partition_id: int, num_partitions: int) -> TrainReply:
         """Take the global model the message brings (if any), wait until a reply is due, and give every update
-        ready; raises AgentError when training failed."""
+        ready; raises AgentError when training failed or the run does not fit this device."""
         session = self.session_for(instr.job, partition_id, num_partitions)
+        if not instr.asks_for_rounds:
+            return TrainReply(session.partition_id, (), health_snapshot(), self.transport)
         with self._cond:
             if instr.broadcast is not None:  # x̂, the model as the (compressed) broadcast delivers it
                 reference = session.broadcast.receive(instr.broadcast)

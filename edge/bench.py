@@ -34,11 +34,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge.data import DATASET_NAMES, HF_PREFIX, DataError, Dataset, load_dataset
-from edge.models import ModelError, build_model, set_flat_params
-from edge.onnx import EVAL_BATCH, OnnxClassifier, export_onnx, quantize_int8
-from edgefl.config import ConfigError, load_config
-from fl_server.results import CHECKPOINT, load_checkpoint
+from contract.run_folder import CHECKPOINT, load_checkpoint
+from contract.settings import ConfigError, load_config
+from ml.data import DATASET_NAMES, HF_PREFIX, DataError, Dataset, load_dataset
+from ml.models import ModelError, build_model, set_flat_params
+from ml.onnx import EVAL_BATCH, OnnxClassifier, export_onnx, quantize_int8
 
 FP32_MAX_LOGIT_DIFF = 1e-4
 INT8_MIN_TOP1_AGREEMENT = 0.97

@@ -34,13 +34,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.errors import EdgeflError
+
 MOUNTS = Path("/proc/self/mounts")
 PERIOD_US = 100_000
 REMOVE_ATTEMPTS = 5
 HOST_PEAK_GFLOPS = 2.6 * 32  # one core of this machine: Zen 4 at 2.6 GHz, 32 fp32 FLOP/cycle
 
 
-class DeviceError(RuntimeError):
+class DeviceError(EdgeflError):
     """A device profile cannot be applied; str(e) is one clear line."""
 
 

@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from contract.errors import EdgeflError
+
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
 SERVER_CERT = "server.pem"
@@ -31,7 +33,7 @@ ALWAYS_HOSTS = ("localhost", "127.0.0.1")
 VALID_DAYS = 825  # the longest validity clients accept for a server certificate
 
 
-class CertError(ValueError):
+class CertError(EdgeflError, ValueError):
     """Certificates or keys that cannot be made or used; ``str()`` is one line for the user."""
 
 

@@ -17,23 +17,13 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from edgefl.config import ConfigError, RunConfig, build_config, load_config
-from edgefl.processes import LaunchError, interrupt_on_signals
+from contract.errors import EdgeflError
+from contract.settings import RunConfig, build_config, load_config
+from edgefl.processes import interrupt_on_signals
 from strategies.spec import parse_strategy
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from edge.data import DataError
-    from edge.devices import DeviceError
-    from edgefl.certs import CertError
-    from edgefl.report import ReportError
-    from netem.profiles import LinkError
-    from strategies.spec import StrategyError
-
-    return CertError, ConfigError, DataError, DeviceError, LaunchError, LinkError, ReportError, StrategyError
 
 
 def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) -> None:
@@ -80,13 +70,7 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
 def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | None = None) -> RunConfig:
     strategy = args.strategy
     if args.delay is not None or args.no_correction:
-        base = (strategy or "dga").split(":")[0]
-        if base != "dga":
-            raise ConfigError("--delay and --no-correction apply to --strategy dga only")
-        delay = args.delay if args.delay is not None else (strategy or "").partition(":")[2].split(":")[0]
-        if delay in ("", None):
-            raise ConfigError("dga needs a delay: --delay D or --strategy dga:D")
-        strategy = f"dga:{delay}" + (":nocorrection" if args.no_correction else "")
+        strategy = parse_strategy(strategy or "dga", args.delay, correction=not args.no_correction).label
     keys = (
         "dataset",
         "data_dir",
@@ -123,18 +107,15 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
 
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     """Fail before anything starts: the data set is installed, the partition fits it, the links exist."""
-    from edge.data import load_dataset, partition_indices
     from edgefl.launcher import devices_for, links_for
+    from ml.data import load_dataset
+    from ml.partition import partition_indices
 
     dataset = load_dataset(config.dataset, config.data_dir or None)
     partition_indices(dataset, config.partition, config.clients, config.seed)
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
     devices_for(config)
-    if config.strategy == "flower-fedavg" and (config.compress, config.compress_down) != ("none", "none"):
-        raise ConfigError(
-            "flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress and --compress-down"
-        )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -213,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _user_errors() as exc:
+    except EdgeflError as exc:
         print(f"edgefl: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from edgefl.config import RunConfig
+from contract.settings import RunConfig
 from edgefl.launcher import run
 from edgefl.report import load_run, plot_runs, table
 

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import tomli_w
 
+from contract.run_folder import CHECKPOINT, GLOBAL_ONNX, MESSAGES, ROUNDS, SERVER_ERROR, SUMMARY, mirror, read_rounds
+from contract.settings import ConfigError, RunConfig, parse_address, save_config
 from edge.devices import CpuCap, DeviceProfile, device_profile
 from edgefl.certs import ServerCerts, make_server_certs
-from edgefl.config import ConfigError, RunConfig, client_job, parse_address, save_config
-from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail
-from fl_server.results import CHECKPOINT, GLOBAL_ONNX, MESSAGES, ROUNDS, SERVER_ERROR, SUMMARY, read_rounds
+from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail, tail_from
 from netem.profiles import Link, load_links, resolve_links
 from netem.testbed import Testbed
 
@@ -37,30 +37,8 @@ STARTUP_TIMEOUT_S = 90.0
 SUBMIT_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 30.0  # how long a remote SuperLink may stay unreachable before a command gives up
 CLIENT_PROCESSES = ("agent-", "supernode-")  # ProcessGroup names of a client's processes
+RUN_LOG = "run-log"  # a remote run's streamed ServerApp log (flwr log --stream)
 RUNTIME_HOST = "127.0.0.1"  # a SuperNode's Runtime API, where its agent claims tasks: the device's loopback only
-
-APP_TOML = """\
-[build-system]
-requires = ["setuptools>=68"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "edgefl-app"
-version = "0.1.0"
-description = "edgefl run: the ServerApp and ClientApp live in the installed edgefl package"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "edgefl"
-
-[tool.flwr.app.components]
-serverapp = "{serverapp}"
-clientapp = "{clientapp}"
-
-[tool.flwr.app.config]
-run-dir = ""
-"""
 
 APPS = {
     "edgefl": ("fl_server.app:app", "fl_client.app:app"),
@@ -268,17 +246,39 @@ def run_flwr(args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ())
     return result
 
 
+def app_project(app: str, config: RunConfig, run_dir: Path | None) -> dict:
+    """The pyproject of the app ``flwr run`` packages: the components of ``app`` (a key of APPS) and, as its run
+    config, the run's settings and the folder to write (None: the server picks one and echoes it back)."""
+    serverapp, clientapp = APPS[app]
+    return {
+        "build-system": {"requires": ["setuptools>=68"], "build-backend": "setuptools.build_meta"},
+        "project": {"name": "edgefl-app", "version": "0.1.0", "license": "Apache-2.0", "dependencies": [],
+                    "description": "edgefl run: the ServerApp and ClientApp live in the installed edgefl package"},
+        "tool": {"flwr": {"app": {
+            "publisher": "edgefl",
+            "components": {"serverapp": serverapp, "clientapp": clientapp},
+            "config": {"run-dir": str(run_dir or ""), **config.to_run_config()},
+        }}},
+    }  # fmt: skip
+
+
 def submit(
-    run_dir: Path, app: str, address: str, root_cert: Path | None, env: dict[str, str], prefix: tuple[str, ...] = ()
+    config: RunConfig,
+    run_dir: Path,
+    address: str,
+    root_cert: Path | None,
+    env: dict[str, str],
+    prefix: tuple[str, ...] = (),
+    shared: bool = True,
 ) -> str:
-    """``flwr run`` of the app ``app`` (a key of APPS) on the SuperLink at ``address``; returns Flower's run id."""
+    """``flwr run`` of ``config`` on the SuperLink at ``address``; ``shared``: the server writes ``run_dir``
+    itself (same machine). Returns Flower's run id."""
     app_dir = run_dir / ".app"
     app_dir.mkdir(exist_ok=True)
-    serverapp, clientapp = APPS[app]
-    (app_dir / "pyproject.toml").write_text(APP_TOML.format(serverapp=serverapp, clientapp=clientapp))
+    project = app_project(app_for(config), config, run_dir if shared else None)
+    (app_dir / "pyproject.toml").write_text(tomli_w.dumps(project))
     write_flwr_home(Path(env["FLWR_HOME"]), address, root_cert)
-    result = run_flwr(["run", str(app_dir), FEDERATION, "--run-config", f"run-dir='{run_dir}'"], env, prefix)
-    return str(result["run-id"])
+    return str(run_flwr(["run", str(app_dir), FEDERATION], env, prefix)["run-id"])
 
 
 class LocalFederation:
@@ -325,7 +325,7 @@ class LocalFederation:
         """One agent per client, each inside its emulated device's CPU cap (the cap's prefix goes first:
         ``ip netns exec`` hides /sys/fs/cgroup)."""
         job = self.run_dir / ".job.json"
-        job.write_text(client_job(self.config).to_json())
+        job.write_text(self.config.client_job().to_json())
         tag = str(os.getpid())
         runtimes = []
         for i, (prefix, device) in enumerate(zip(self.place.client_prefixes, devices_for(self.config), strict=True)):
@@ -340,15 +340,18 @@ class LocalFederation:
     def submit(self, address: str) -> str:
         """``flwr run`` against our SuperLink (from the server's namespace); returns Flower's run id."""
         root_cert = self.certs.ca if self.certs else None
-        return submit(self.run_dir, self.app, address, root_cert, self.procs.env, self.place.server_prefix)
+        return submit(self.config, self.run_dir, address, root_cert, self.procs.env, self.place.server_prefix)
 
 
-def submit_remote(config: RunConfig, run_dir: Path, env: dict[str, str]) -> str:
+def submit_remote(config: RunConfig, run_dir: Path, procs: ProcessGroup) -> tuple[str, Path]:
     """Submit ``config`` to the running SuperLink at ``config.server`` once it is reachable with the configured TLS
-    (its ServerApp waits for ``config.clients`` SuperNodes to join); returns Flower's run id."""
+    (its ServerApp waits for ``config.clients`` SuperNodes to join) and stream the run's log here: returns
+    Flower's run id and the log file, whose echoed results ``follow`` mirrors into ``run_dir``."""
     root_cert = Path(config.root_cert).resolve() if config.root_cert else None
     reach_superlink(config.server, root_cert)
-    return submit(run_dir, app_for(config), config.server, root_cert, env)
+    run_id = submit(config, run_dir, config.server, root_cert, procs.env, shared=False)
+    procs.start(RUN_LOG, ["flwr", "log", run_id, FEDERATION, "--stream"])
+    return run_id, procs.log_dir / f"{RUN_LOG}.log"
 
 
 def _progress_line(row: dict, rounds: int) -> str:
@@ -362,15 +365,25 @@ def _progress_line(row: dict, rounds: int) -> str:
 def _check_server_alive(procs: ProcessGroup) -> None:
     """A client's agent or SuperNode may die (and come back): the run goes on with the others. The SuperLink may not."""
     for name, proc in procs.procs:
-        if not name.startswith(CLIENT_PROCESSES) and proc.poll() is not None:
+        if not name.startswith((*CLIENT_PROCESSES, RUN_LOG)) and proc.poll() is not None:
             raise LaunchError(f"{name} exited with code {proc.returncode}; see {procs.log_dir / name}.log")
 
 
-def follow(config: RunConfig, run_dir: Path, procs: ProcessGroup, progress: Callable[[str], None]) -> None:
-    """Stream rounds.jsonl until summary.json appears; fail on a server error, a dead SuperLink or a stall."""
+def follow(
+    config: RunConfig, run_dir: Path, procs: ProcessGroup, progress: Callable[[str], None], echo: Path | None = None
+) -> None:
+    """Stream rounds.jsonl until summary.json appears; fail on a server error, a dead SuperLink or a stall. With
+    ``echo`` (a remote run's streamed log), the run's files are first mirrored from it into ``run_dir``."""
     stall_s = max(600.0, 3 * config.round_deadline_s)
-    shown, last_change = 0, time.monotonic()
+    shown, last_change, offset, parts = 0, time.monotonic(), 0, {}
     while not (run_dir / SUMMARY).exists():
+        if echo is not None:
+            ended = dict(procs.procs)[RUN_LOG].poll() is not None
+            text = tail_from(echo, offset)
+            offset += len(text.encode())
+            mirror(run_dir, text, parts)
+            if ended and not (run_dir / SUMMARY).exists() and not (run_dir / SERVER_ERROR).exists():
+                raise LaunchError(f"the run's log stream ended before its results; see {echo}")
         if (run_dir / SERVER_ERROR).exists():
             raise LaunchError(f"the server failed: {(run_dir / SERVER_ERROR).read_text().strip()}")
         rows = read_rounds(run_dir)
@@ -396,8 +409,9 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
         config = dataclasses.replace(config, link_backend=place.backend)
         save_config(config, run_dir / "config.toml")
         with contextlib.ExitStack() as caps, ProcessGroup(logs, _flower_env(run_dir)) as procs:
+            echo = None
             if config.federation == "remote":
-                run_id = submit_remote(config, run_dir, procs.env)
+                run_id, echo = submit_remote(config, run_dir, procs)
                 where = f"the SuperLink at {config.server}"
             else:
                 federation = LocalFederation(config, run_dir, place, procs, caps)
@@ -408,7 +422,7 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
                 f"{config.clients} clients, {where}"
             )
             try:
-                follow(config, run_dir, procs, progress)
+                follow(config, run_dir, procs, progress, echo)
             except BaseException:
                 if config.federation == "remote":  # that SuperLink outlives us: end the run there too
                     with contextlib.suppress(LaunchError):

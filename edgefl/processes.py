@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from contract.errors import EdgeflError
+
 GRACE_S = 5.0
 
 
@@ -28,7 +30,7 @@ def interrupt_on_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-class LaunchError(RuntimeError):
+class LaunchError(EdgeflError):
     """A process of the run could not be started or died; ``str()`` is one line for the user."""
 
 
@@ -53,6 +55,17 @@ def tail(path: Path, lines: int = 5) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def tail_from(path: Path, offset: int) -> str:
+    """The complete lines appended to a file since byte ``offset`` (a line still being written waits)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            data = file.read()
+    except OSError:
+        return ""
+    return data[: data.rfind(b"\n") + 1].decode(errors="replace")
 
 
 def _stat(pid: int) -> tuple[int, int] | None:

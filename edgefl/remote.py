@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.settings import ConfigError, RunConfig, parse_address
 from edge.devices import CpuCap, device_profile
 from edgefl.certs import (
     CertError,
@@ -33,7 +34,6 @@ from edgefl.certs import (
     make_node_keys,
     make_server_certs,
 )
-from edgefl.config import ConfigError, RunConfig, parse_address
 from edgefl.launcher import (
     CONNECT_TIMEOUT_S,
     FEDERATION,
@@ -47,7 +47,7 @@ from edgefl.launcher import (
     wait_for_superlink,
     write_flwr_home,
 )
-from edgefl.processes import LaunchError, ProcessGroup, port_in_use
+from edgefl.processes import LaunchError, ProcessGroup, port_in_use, tail_from
 
 POLL_S = 0.5
 RESTART_DELAY_S = 3.0
@@ -57,16 +57,6 @@ NODE_ACTIVATED = "[Fleet.ActivateNode] Activated node_id="  # flower-superlink
 NODE_REFUSED = ("[/v1/fleet/activate-node][ApiError:", "[/v1/fleet/register-node][ApiError:")  # flower-superlink
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
-
-
-def _read_from(path: Path, offset: int) -> str:
-    """The text appended to a log file since byte ``offset``."""
-    try:
-        with open(path, "rb") as file:
-            file.seek(offset)
-            return file.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _size(path: Path) -> int:
@@ -145,7 +135,7 @@ def serve(
         offset = 0
         while True:
             procs.check_alive()
-            text = _read_from(logs / "superlink.log", offset)
+            text = tail_from(logs / "superlink.log", offset)
             offset += len(text.encode())
             for event in _server_events(text):
                 progress(event)
@@ -187,7 +177,7 @@ class ClientSpec:
 
     def check(self) -> None:
         """Raise the module's own error (one line) for input that cannot work, before anything starts."""
-        from edge.data import load_dataset
+        from ml.data import load_dataset
 
         parse_address(self.server)
         if self.num_partitions < 1:
@@ -252,13 +242,13 @@ def _run_supernode(
         proc = node.start("supernode", argv)
         while proc.poll() is None:
             agent.check_alive()
-            if not joined and JOINED in _read_from(log, offset):
+            if not joined and JOINED in tail_from(log, offset):
                 joined = True
                 progress(f"partition {spec.partition_id}/{spec.num_partitions} joined {spec.server}")
             if first and not joined and time.monotonic() > deadline:
                 raise LaunchError(f"the SuperNode did not join {spec.server} within {spec.connect_timeout_s:.0f} s")
             time.sleep(POLL_S)
-    text = _read_from(log, offset)
+    text = tail_from(log, offset)
     if first and JOINED not in text:
         raise LaunchError(_refusal(text, spec))
     return JOINED in text

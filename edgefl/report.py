@@ -1,7 +1,7 @@
 """Reading finished runs back: the per-run plots, and ``edgefl report`` — one table and one plot across runs.
 
-Speedups are against the first run given: time-to-target ratio when both reached the target, else the ratio
-of wall-clock seconds per round."""
+Speedups are against the first run given, in two columns: to target (time-to-target ratio; — when either run
+missed the target) and per round (ratio of wall-clock seconds per round)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from fl_server.results import SUMMARY, read_rounds
+from contract.errors import EdgeflError
+from contract.run_folder import SUMMARY, read_rounds
 
 
-class ReportError(ValueError):
+class ReportError(EdgeflError, ValueError):
     """A folder that is not a finished run; ``str()`` is one line."""
 
 
@@ -66,28 +67,26 @@ def _fmt(value: Any, spec: str = ".1f") -> str:
     return "—" if value is None else format(value, spec)
 
 
-def speedup(base: dict[str, Any], other: dict[str, Any]) -> float | None:
-    if base.get("time_to_target_s") and other.get("time_to_target_s"):
-        return base["time_to_target_s"] / other["time_to_target_s"]
-    if base.get("seconds_per_round") and other.get("seconds_per_round"):
-        return base["seconds_per_round"] / other["seconds_per_round"]
-    return None
+def ratio(base: dict[str, Any], other: dict[str, Any], key: str) -> float | None:
+    """base[key] / other[key], None when either is missing (e.g. a run that never reached its target)."""
+    return base[key] / other[key] if base.get(key) and other.get(key) else None
 
 
 def table(summaries: list[dict[str, Any]]) -> str:
-    """A markdown table; the speedup column is against the first run."""
+    """A markdown table; the speedup columns are against the first run."""
     head = (
         "| strategy | link | rounds | final acc | best acc | time to target (s) | wall (s) | s/round "
-        "| rounds/h | local steps/s | MB up | MB down | speedup |"
+        "| rounds/h | local steps/s | MB up | MB down | speedup to target | speedup per round |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for s in summaries:
+        to_target, per_round = (ratio(summaries[0], s, key) for key in ("time_to_target_s", "seconds_per_round"))
         lines.append(
             f"| {label(s)} | {s['link_profile']} | {s['rounds']} | {_fmt(s['final_accuracy'], '.4f')} "
             f"| {_fmt(s['best_accuracy'], '.4f')} | {_fmt(s['time_to_target_s'])} | {_fmt(s['wall_clock_s'])} "
             f"| {_fmt(s['seconds_per_round'], '.2f')} | {_fmt(s['rounds_per_hour'], '.0f')} "
             f"| {_fmt(s['local_steps_per_s'], '.1f')} | {s['bytes_up'] / 1e6:.2f} | {s['bytes_down'] / 1e6:.2f} "
-            f"| {_fmt(speedup(summaries[0], s), '.2f')}x |"
+            f"| {_fmt(to_target, '.2f')}{'x' if to_target else ''} | {_fmt(per_round, '.2f')}{'x' if per_round else ''} |"
         )
     return "\n".join(lines)
 

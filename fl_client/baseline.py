@@ -17,9 +17,10 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     import torch
 
-    from edge.data import load_dataset, partition_indices
-    from edge.models import build_model
-    from edge.trainer import LocalTrainer, scheduled_lr
+    from ml.data import load_dataset
+    from ml.partition import partition_indices
+    from ml.models import build_model
+    from ml.trainer import LocalTrainer, scheduled_lr
 
     torch.set_num_threads(1)
     job = msg.content["config"]
@@ -30,7 +31,7 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     trainer = LocalTrainer(
         model,
-        dataset.x_train[idx],
+        dataset.x_train.subset(idx),
         dataset.y_train[idx],
         int(job["batch-size"]),
         scheduled_lr(float(job["lr"]), str(job["lr-schedule"]), int(job["server-round"]), int(job["rounds"])),

@@ -1,35 +1,60 @@
-"""The ServerApp. Flower's SuperLink starts it for a run; run config ``run-dir`` points at the run's folder,
-whose ``config.toml`` holds every setting."""
+"""The ServerApp. Flower's SuperLink starts it for a run; the run's settings come in the app's run config
+(``contract.settings.RunConfig.to_run_config``). A run submitted on this machine names its folder (``run-dir``);
+one submitted from another (``--federation remote``) is written here, next to the server's own folder, and
+echoed to the submitter (``contract.run_folder``)."""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from contract.run_folder import SERVER_ERROR, RunFolder
+from contract.settings import RunConfig
 from contract.transport import tune
-from edgefl.config import load_config
 from fl_server.engine import serve
-from fl_server.results import SERVER_ERROR
 
 app = ServerApp()
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    run_dir = Path(str(context.run_config["run-dir"]))
-    handler = logging.FileHandler(run_dir / "server.log")
+def run_folder_of(config: RunConfig, context: Context) -> RunFolder:
+    """The folder a run writes: ``run-dir`` when the submitter shares this machine, else one under the
+    server's own folder (the parent of FLWR_HOME, e.g. ``edgefl server --out``), echoed to the submitter."""
+    if run_dir := str(context.run_config.get("run-dir", "")):
+        return RunFolder(Path(run_dir))
+    server = Path(os.environ.get("FLWR_HOME", ".flwr")).resolve().parent
+    path = server / "runs" / f"{config.name}-{context.run_id}"
+    path.mkdir(parents=True, exist_ok=True)
+    return RunFolder(path, echo=True)
+
+
+def run_app(context: Context, body: Callable[[RunConfig, RunFolder], None]) -> None:
+    """Run ``body`` on the run's settings and folder with the server's log in ``server.log``; any failure is
+    written to ``server_error.txt`` (one line) before it propagates."""
+    config = RunConfig.from_run_config(context.run_config)
+    folder = run_folder_of(config, context)
+    handler = logging.FileHandler(folder.path / "server.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logger = logging.getLogger("edgefl")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    transport = tune()
-    logger.info("Flower's message path: %s", transport)
     try:
-        serve(grid, load_config(run_dir / "config.toml"), run_dir, transport)
+        body(config, folder)
     except BaseException as exc:
         logger.exception("server failed")
-        (run_dir / SERVER_ERROR).write_text(f"{type(exc).__name__}: {exc}\n")
+        folder.write(SERVER_ERROR, f"{type(exc).__name__}: {exc}\n".encode())
         raise
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    def body(config: RunConfig, folder: RunFolder) -> None:
+        transport = tune()
+        logging.getLogger("edgefl").info("Flower's message path: %s", transport)
+        serve(grid, config, folder, transport)
+
+    run_app(context, body)

@@ -10,29 +10,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from contract.transport import STOCK
-from contract.wire import WireSize, wire_size
-from edge.data import load_dataset
-from edge.models import build_model
-from edge.trainer import evaluate
-from edgefl.config import RunConfig, client_job, load_config
-from fl_server.engine import wait_for_nodes
-from fl_server.results import (
-    SERVER_ERROR,
+from contract.run_folder import (
+    MESSAGES,
+    ROUNDS,
+    SUMMARY,
     MessageTrip,
-    append_message,
-    append_round,
+    RunFolder,
     read_rounds,
     summarize,
-    write_summary,
+    summary_bytes,
 )
+from contract.settings import RunConfig
+from contract.transport import STOCK
+from contract.wire import WireSize, wire_size
+from fl_server.app import run_app
+from fl_server.engine import wait_for_nodes
+from ml.data import load_dataset
+from ml.models import build_model
+from ml.trainer import evaluate
 
 log = logging.getLogger("edgefl.baseline")
 
@@ -43,7 +44,7 @@ class _Meter:
     """Counts serialized bytes through a grid and records each message round trip, by wrapping its push/pull on
     the instance, so that Flower's own ``send_and_receive`` (which calls them) is what runs."""
 
-    def __init__(self, grid: Grid, run_dir: Path) -> None:
+    def __init__(self, grid: Grid, folder: RunFolder) -> None:
         self.up = self.down = 0
         self.replied: set[int] = set()  # partitions whose replies came since the last round closed
         self._sent: dict[str, tuple[int, float, WireSize]] = {}
@@ -62,13 +63,13 @@ class _Meter:
         def pull_messages(message_ids):  # type: ignore[no-untyped-def]
             replies = list(pull(message_ids))
             for reply in replies:
-                self._record(run_dir, reply)
+                self._record(folder, reply)
             return replies
 
         grid.push_messages = push_messages  # type: ignore[method-assign]
         grid.pull_messages = pull_messages  # type: ignore[method-assign]
 
-    def _record(self, run_dir: Path, reply: Message) -> None:
+    def _record(self, folder: RunFolder, reply: Message) -> None:
         pulled_at, size = time.monotonic(), wire_size(reply)
         self.up += size.bytes
         message_id = reply.metadata.reply_to_message_id
@@ -90,7 +91,7 @@ class _Meter:
             objects_down=sent.objects,
             objects_up=size.objects,
         )
-        append_message(run_dir, trip)
+        folder.append(MESSAGES, dataclasses.asdict(trip))
 
     def take(self) -> tuple[int, int, list[int]]:
         """Bytes up and down and the partitions that replied, since the last call."""
@@ -100,11 +101,11 @@ class _Meter:
         return out
 
 
-def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
+def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
     torch.set_num_threads(1)
     dataset = load_dataset(config.dataset, config.data_dir or None)
     model = build_model(dataset, config.seed)
-    meter = _Meter(grid, run_dir)
+    meter = _Meter(grid, folder)
     wait_for_nodes(grid, config.clients)
     clock = {"t0": 0.0, "eval_s": 0.0}
 
@@ -117,8 +118,8 @@ def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy = evaluate(model, dataset.x_test, dataset.y_test)
         up, down, clients = meter.take()
-        append_round(
-            run_dir,
+        folder.append(
+            ROUNDS,
             {
                 "round": server_round,
                 "wall_s": wall,
@@ -141,17 +142,13 @@ def run_baseline(grid: Grid, config: RunConfig, run_dir: Path) -> None:
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=config.rounds,
-        train_config=ConfigRecord({k: v for k, v in client_job(config).as_dict().items() if not isinstance(v, bool)}),
+        train_config=ConfigRecord({k: v for k, v in config.client_job().as_dict().items() if not isinstance(v, bool)}),
         evaluate_fn=evaluate_fn,
     )
-    write_summary(run_dir, {**summarize(dataclasses.asdict(config), read_rounds(run_dir)), "transport": STOCK})
+    summary = summarize(config.as_dict(), read_rounds(folder.path))
+    folder.write(SUMMARY, summary_bytes({**summary, "transport": STOCK}))
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_dir = Path(str(context.run_config["run-dir"]))
-    try:
-        run_baseline(grid, load_config(run_dir / "config.toml"), run_dir)
-    except BaseException as exc:
-        (run_dir / SERVER_ERROR).write_text(f"{type(exc).__name__}: {exc}\n")
-        raise
+    run_app(context, lambda config, folder: run_baseline(grid, config, folder))

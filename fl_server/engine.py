@@ -3,11 +3,14 @@
 pulls and allows one message per node at a time.
 
 Closed rounds are evaluated on the held-out test split in a worker thread, which appends the round's row and then
-checkpoints it, so the loop never waits on evaluation before sending the next round.
+checkpoints it, so the loop never waits on evaluation before sending the next round; an evaluation that fails
+stops the run with its error.
 
-Clients come and go: the node set is re-read every ``NODE_REFRESH_S``; a node that vanished is retired (its
-messages in flight are dropped) and a new one — a restarted SuperNode gets a new node id — is a fresh client,
-sent the newest global model, so its agent starts a fresh session (model, DGA state, codec memory) from it.
+Clients come and go: the node set is re-read every ``NODE_REFRESH_S``. A new node is first asked which
+partition it trains (``fl_server.membership``: admitted, a spare, or refused); an admitted node that vanished
+is retired (its messages in flight are dropped, never counted) and a spare of its partition takes over. A
+restarted SuperNode gets a new node id: to the round engine it is a fresh client, sent the newest global model.
+The first round starts once each of the run's partitions has a node.
 
 Resume: a run folder that holds a checkpoint continues from it (``edgefl run --resume``): global model, round,
 wall clock and the norm history of update validation; rows after the checkpoint's round are dropped. DGA's
@@ -17,13 +20,13 @@ had trained or sent after the checkpoint are trained again — none is lost and 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,27 +35,30 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from contract.messages import TrainInstruction
-from contract.transport import FAST, STOCK
-from contract.wire import WireError, WireSize, parse_reply, train_message, wire_size
-from edge.data import load_dataset
-from edge.models import build_model, get_flat_params, param_layout, set_flat_params
-from edge.onnx import export_onnx
-from edge.trainer import evaluate
-from edgefl.config import RunConfig, client_job
-from fl_server.results import (
+from contract.run_folder import (
     GLOBAL_ONNX,
+    MESSAGES,
+    ROUNDS,
+    SUMMARY,
     Checkpoint,
     MessageTrip,
-    append_message,
-    append_round,
+    RunFolder,
     read_checkpoint,
     read_rounds,
     save_checkpoint,
     summarize,
+    summary_bytes,
     truncate_rounds,
-    write_summary,
 )
+from contract.settings import RunConfig
+from contract.transport import FAST, STOCK
+from contract.wire import WireError, WireSize, parse_reply, train_message, wire_size
+from fl_server.membership import Membership
 from fl_server.robust import make_aggregator
+from ml.data import load_dataset
+from ml.models import build_model, get_flat_params, param_layout, set_flat_params
+from ml.onnx import export_onnx
+from ml.trainer import evaluate
 from strategies.downlink import BroadcastEncoder
 from strategies.rounds import ClosedRound, Rejection, Request, RoundEngine, Update
 from strategies.validation import NormOutlierFilter
@@ -72,6 +78,11 @@ def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> li
             raise TimeoutError(f"only {len(nodes)} of {count} SuperNodes connected within {timeout_s:.0f} s")
         time.sleep(0.1)
     return nodes[:count]
+
+
+def model_digest(params: np.ndarray) -> str:
+    """The first 16 hex digits of the sha256 of a model's float32 bytes."""
+    return hashlib.sha256(np.asarray(params, dtype=np.float32).tobytes()).hexdigest()[:16]
 
 
 def evaluation_sample(x: np.ndarray, y: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,32 +105,45 @@ class Evaluator:
     """Evaluates the global model of each closed round on the test split, appends its rounds.jsonl row, then
     writes its checkpoint (so rows never lag behind the checkpoint)."""
 
-    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+    def __init__(self, config: RunConfig, folder: RunFolder) -> None:
         self.dataset = load_dataset(config.dataset, config.data_dir or None)
         test = self.dataset.x_test, self.dataset.y_test
         self.x, self.y = evaluation_sample(*test, config.eval_examples, config.seed)
         self.model = build_model(self.dataset, config.seed)
-        self.run_dir = run_dir
+        self.folder = folder
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluate", initializer=_yield_cpu)
+        self._pending: list[Future[None]] = []
 
     def submit(self, row: dict[str, Any], checkpoint: Checkpoint) -> None:
-        self._pool.submit(self._evaluate, row, checkpoint)
+        self._pending.append(self._pool.submit(self._evaluate, row, checkpoint))
+
+    def check(self) -> None:
+        """Raise the error of an evaluation that failed (evaluating, writing its row or its checkpoint): the run
+        stops there, its checkpoint the last one written whole."""
+        done = [future for future in self._pending if future.done()]
+        self._pending = [future for future in self._pending if not future.done()]
+        for future in done:
+            future.result()
 
     def _evaluate(self, row: dict[str, Any], c: Checkpoint) -> None:
         set_flat_params(self.model, c.params)
         loss, accuracy = evaluate(self.model, self.x, self.y)
         row = {**row, "test_loss": loss, "test_accuracy": accuracy}
-        append_round(self.run_dir, row)
-        save_checkpoint(self.run_dir, c.round, c.params, c.wall_s, c.recent_norms)
+        self.folder.append(ROUNDS, row)
+        save_checkpoint(self.folder.path, c.round, c.params, c.wall_s, c.recent_norms)
         log.info("round %d  accuracy %.4f  loss %.4f  wall %.1f s", row["round"], accuracy, loss, row["wall_s"])
 
     def close(self) -> None:
+        """Wait for the evaluations left; raises the first that failed."""
         self._pool.shutdown(wait=True)
+        self.check()
 
     def export(self, params: np.ndarray) -> None:
         """The final global model as ONNX, for devices that evaluate with onnxruntime (edgefl edge bench)."""
         set_flat_params(self.model, params)
-        export_onnx(self.model, self.dataset, self.run_dir / GLOBAL_ONNX)
+        path = export_onnx(self.model, self.dataset, self.folder.path / (GLOBAL_ONNX + ".export"))
+        self.folder.write(GLOBAL_ONNX, path.read_bytes())
+        path.unlink()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +153,7 @@ class InFlight:
     node: int
     sent_at: float  # time.monotonic()
     size: WireSize
+    identify: bool = False  # it asked the node which partition it trains (fl_server.membership)
 
 
 @dataclasses.dataclass
@@ -150,16 +175,16 @@ class Traffic:
 
 
 class ServerLoop:
-    def __init__(self, grid: Grid, config: RunConfig, run_dir: Path, transport: str) -> None:
+    def __init__(self, grid: Grid, config: RunConfig, folder: RunFolder, transport: str) -> None:
         self.grid = grid
         self.transport = {-1: transport}  # this server's, then each partition's as its replies report it
         self.config = config
-        self.run_dir = run_dir
-        self.job = client_job(config).to_json()
-        self.evaluator = Evaluator(config, run_dir)
+        self.folder = folder
+        self.job = config.client_job().to_json()
+        self.evaluator = Evaluator(config, folder)
         model = self.evaluator.model
-        start = read_checkpoint(run_dir) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0))
-        truncate_rounds(run_dir, start.round)
+        start = read_checkpoint(folder.path) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0))
+        truncate_rounds(folder.path, start.round)
         self.validator = NormOutlierFilter(norms=start.recent_norms)
         self.engine = RoundEngine(
             start.params,
@@ -170,25 +195,26 @@ class ServerLoop:
             quorum=config.quorum,
             deadline_s=config.round_deadline_s,
             start_round=start.round,
-            aggregator=make_aggregator(config.aggregate),
+            aggregator=make_aggregator(config.aggregate_spec),
             validator=self.validator,
         )
         self.wall_offset_s = start.wall_s
         self.broadcaster = BroadcastEncoder(  # --compress-down: clients are sent x̂, see strategies.downlink
-            config.compress_down, self.engine.global_params, self.engine.layout, config.seed, self.engine.aggregated
+            config.downlink_spec, self.engine.global_params, self.engine.layout, config.seed, self.engine.aggregated
         )
         self.traffic = Traffic()
         self.outstanding: dict[str, InFlight] = {}
-        self.nodes: set[int] = set()
+        self.members = Membership()
         self.partition_of: dict[int, int] = {}
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
         self.t0 = 0.0
 
     def run(self) -> None:
-        self.nodes = set(wait_for_nodes(self.grid, self.config.clients))
+        self._admit_first_nodes()
         log.info(
-            "%d SuperNodes connected; %s for rounds %d..%d",
-            len(self.nodes), self.config.strategy, self.engine.aggregated + 1, self.config.rounds,
+            "%d partitions admitted; %s for rounds %d..%d from the global model of round %d (sha256 %s)",
+            len(self.members.admitted), self.config.strategy, self.engine.aggregated + 1, self.config.rounds,
+            self.engine.aggregated, model_digest(self.engine.global_params),
         )  # fmt: skip
         self.t0 = time.monotonic() - self.wall_offset_s
         self.engine.start_clock(time.monotonic())
@@ -201,14 +227,15 @@ class ServerLoop:
                 busy = self._push()
                 busy |= self._pull()
                 self._close_rounds()
+                self.evaluator.check()
                 if not busy:
                     time.sleep(POLL_S)
         finally:
             self.evaluator.close()
         self.evaluator.export(self.engine.global_params)
         transport = FAST if set(self.transport.values()) == {FAST} else STOCK
-        summary = summarize(dataclasses.asdict(self.config), read_rounds(self.run_dir))
-        write_summary(self.run_dir, {**summary, "transport": transport})
+        summary = summarize(self.config.as_dict(), read_rounds(self.folder.path))
+        self.folder.write(SUMMARY, summary_bytes({**summary, "transport": transport}))
 
     def _message(self, node: int, request: Request) -> Message:
         broadcast = None
@@ -216,31 +243,42 @@ class ServerLoop:
             broadcast = self.broadcaster.broadcast(request.global_round, request.global_params, request.held_round)
         return train_message(TrainInstruction(self.job, request.next_round, request.last_round, broadcast), node)
 
+    def _admit_first_nodes(self) -> None:
+        """Wait until the run's N partitions each have a node (the clock starts after)."""
+        wait_for_nodes(self.grid, self.config.clients)
+        deadline = time.monotonic() + NODE_WAIT_S
+        while len(self.members.admitted) < self.config.clients:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only partitions {sorted(self.members.admitted.values())} of {self.config.clients} have a "
+                    f"node after {NODE_WAIT_S:.0f} s; see {self.folder.path / 'server.log'}"
+                )
+            self._refresh_nodes()
+            if not (self._push() | self._pull()):
+                time.sleep(POLL_S)
+
     def _refresh_nodes(self) -> None:
-        """Retire the nodes that left (their messages in flight are dropped, never counted); take in new ones."""
-        current = set(self.grid.get_node_ids())
-        for node in self.nodes - current:
-            log.warning("node %d left; its messages in flight are abandoned", node)
+        """Retire the admitted nodes that left (their messages in flight are dropped, never counted); new ones are
+        asked who they are, and a spare takes over the partition of a node that left."""
+        left, _ = self.members.connected(set(self.grid.get_node_ids()))
+        for node in left:
             self.engine.retire(node)
             self.outstanding = {msg_id: m for msg_id, m in self.outstanding.items() if m.node != node}
-        for node in current - self.nodes:
-            log.info("node %d joined; it starts from the global model of round %d", node, self.engine.aggregated)
-        self.nodes = current
 
     def _push(self) -> bool:
-        messages = []
-        for node in sorted(self.nodes):
+        messages = [(train_message(TrainInstruction.identify(self.job), node), True) for node in self.members.to_ask()]
+        for node in sorted(self.members.admitted):
             while (request := self.engine.next_request(node)) is not None:
-                messages.append(self._message(node, request))
+                messages.append((self._message(node, request), False))
         if not messages:
             return False
         sent_at = time.monotonic()
-        ids = list(self.grid.push_messages(messages))
-        for msg, msg_id in zip(messages, ids, strict=True):
+        ids = list(self.grid.push_messages([msg for msg, _ in messages]))
+        for (msg, identify), msg_id in zip(messages, ids, strict=True):
             if msg_id is None:
                 raise RuntimeError(f"the SuperLink refused a message to node {msg.metadata.dst_node_id}")
             size = wire_size(msg)
-            self.outstanding[msg_id] = InFlight(msg.metadata.dst_node_id, sent_at, size)
+            self.outstanding[msg_id] = InFlight(msg.metadata.dst_node_id, sent_at, size, identify)
             self.traffic.down += size.bytes
         return True
 
@@ -253,7 +291,7 @@ class ServerLoop:
             sent = self.outstanding.pop(message_id)
             pulled_at, size = time.monotonic(), wire_size(reply)
             self.traffic.up += size.bytes
-            updates = self._receive(sent.node, reply)
+            updates = self._identified(sent.node, reply) if sent.identify else self._receive(sent.node, reply)
             trip = MessageTrip(
                 message_id=message_id,
                 node=sent.node,
@@ -267,8 +305,26 @@ class ServerLoop:
                 objects_down=sent.size.objects,
                 objects_up=size.objects,
             )
-            append_message(self.run_dir, trip)
+            self.folder.append(MESSAGES, dataclasses.asdict(trip))
         return bool(replies)
+
+    def _identified(self, node: int, reply: Message) -> tuple[Update, ...]:
+        """A node's answer to who it is: admitted, a spare, or refused (its agent's error says why)."""
+        if reply.has_error():
+            self.members.refuse(node, reply.error.reason)
+            return ()
+        try:
+            parsed = parse_reply(reply.content)
+        except WireError as exc:
+            self.members.refuse(node, str(exc))
+            return ()
+        if not 0 <= parsed.partition_id < self.config.clients:
+            self.members.refuse(
+                node, f"it trains partition {parsed.partition_id}, not one of 0..{self.config.clients - 1}"
+            )
+        elif self.members.identified(node, parsed.partition_id):
+            self.partition_of[node] = parsed.partition_id
+        return ()
 
     def _receive(self, node: int, reply: Message) -> tuple[Update, ...]:
         """Hand a reply's updates to the round engine; returns them (none for an error or a malformed reply)."""
@@ -312,7 +368,7 @@ class ServerLoop:
         }
 
 
-def serve(grid: Grid, config: RunConfig, run_dir: Path, transport: str) -> None:
+def serve(grid: Grid, config: RunConfig, folder: RunFolder, transport: str) -> None:
     """Run ``config`` to its end; ``transport`` is how this process moves messages (``contract.transport``)."""
     torch.set_num_threads(1)
-    ServerLoop(grid, config, run_dir, transport).run()
+    ServerLoop(grid, config, folder, transport).run()

@@ -19,54 +19,20 @@ import numpy as np
 from flwr.server.strategy.aggregate import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 
 from strategies.rounds import Aggregator
-
-AGGREGATE_NAMES = ("mean", "median", "trimmed-mean:BETA", "krum:F")
-
-
-class AggregateError(ValueError):
-    """An aggregation rule that cannot be used; ``str()`` is one line for the user."""
+from strategies.spec import Spec
 
 
-def _parameter(name: str, args: list[str], text: str) -> str:
-    if len(args) != 1:
-        raise AggregateError(f"malformed aggregation {text!r}; expected {name}:VALUE")
-    return args[0]
-
-
-def _trimmed_beta(text: str, args: list[str]) -> float:
-    value = _parameter("trimmed-mean", args, text)
-    try:
-        beta = float(value)
-    except ValueError:
-        raise AggregateError(f"trimmed-mean BETA must be a number, got {value!r}") from None
-    if not 0 <= beta < 0.5:
-        raise AggregateError(f"trimmed-mean BETA must be in [0, 0.5), got {beta}")
-    return beta
-
-
-def _krum_f(text: str, args: list[str]) -> int:
-    value = _parameter("krum", args, text)
-    try:
-        f = int(value)
-    except ValueError:
-        raise AggregateError(f"krum F must be an integer, got {value!r}") from None
-    if f < 0:
-        raise AggregateError(f"krum F must be at least 0, got {f}")
-    return f
-
-
-def make_aggregator(text: str) -> Aggregator | None:
-    """The rule named by ``text``; None for ``mean`` (the engine's own streaming mean). Raises AggregateError."""
-    name, *args = text.strip().lower().split(":")
-    if name == "mean" and not args:
-        return None
-    if name == "median" and not args:
-        return _median
-    if name == "trimmed-mean":
-        return partial(_trimmed_mean, beta=_trimmed_beta(text, args))
-    if name == "krum":
-        return partial(_krum, f=_krum_f(text, args))
-    raise AggregateError(f"unknown aggregation {text!r}; choose one of: {', '.join(AGGREGATE_NAMES)}")
+def make_aggregator(spec: Spec) -> Aggregator | None:
+    """The rule of a parsed ``--aggregate`` spec (``strategies.spec.parse_aggregate``); None for ``mean``, the
+    engine's own streaming mean."""
+    match spec.name:
+        case "median":
+            return _median
+        case "trimmed-mean":
+            return partial(_trimmed_mean, beta=spec.value)
+        case "krum":
+            return partial(_krum, f=int(spec.value))
+    return None
 
 
 def _as_layers(updates: list[tuple[np.ndarray, int]]) -> list[tuple[list[np.ndarray], int]]:

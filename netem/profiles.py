@@ -26,12 +26,14 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from contract.errors import EdgeflError
+
 MAX_DELAY_MS = 10_000.0
 MAX_RATE_MBIT = 100_000.0  # 100 Gbit/s
 _LINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-class LinkError(Exception):
+class LinkError(EdgeflError):
     """A link that cannot be used or set up; ``str()`` is one line for the user."""
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from strategies.codecs import CodecError, Layout, make_client_codec, server_compressor
+from strategies.codecs import CodecError, CodecSpec, Layout, make_client_codec, server_compressor
 from strategies.codecs.base import dense_payload_size, layout_info
 from strategies.codecs.dense import NoCompression, dense_payload
 from strategies.fedavg import apply_update
@@ -114,7 +114,7 @@ class BroadcastEncoder:
     older x̂ (kept while together no larger than the dense model: a longer chain would never be sent)."""
 
     def __init__(
-        self, codec: str, initial_params: np.ndarray, layout: Layout, seed: int = 0, start_round: int = 0
+        self, codec: CodecSpec, initial_params: np.ndarray, layout: Layout, seed: int = 0, start_round: int = 0
     ) -> None:
         """`initial_params` is the global model after `start_round` (a resumed run's checkpoint)."""
         self.codec = make_client_codec(codec, layout, seed)

@@ -1,14 +1,80 @@
-"""Parse a strategy name as users write it: ``fedavg``, ``dga:D``, ``dga:D:nocorrection``, ``flower-fedavg``."""
+"""Settings written ``NAME`` or ``NAME:VALUE[:OPTION...]`` — a strategy (``dga:2``), a codec (``topk:0.01``), an
+aggregation rule (``krum:1``), a partition (``dirichlet:0.3``) — parsed by one function against each setting's
+table of names, so that every such setting says the same thing about the same mistake."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-STRATEGY_NAMES = ("fedavg", "dga", "flower-fedavg")
+from contract.errors import EdgeflError
 
 
-class StrategyError(ValueError):
-    """A strategy name that cannot be used; ``str()`` is one line for the user."""
+class SpecError(EdgeflError, ValueError):
+    """A ``NAME:VALUE`` setting that cannot be used; ``str()`` is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """The VALUE of a ``NAME:VALUE`` setting: what it must be, in words, and the test it must pass."""
+
+    what: str
+    valid: Callable[[float], bool]
+    integer: bool = False
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    value: float | None = None  # None for a name without a parameter
+    options: tuple[str, ...] = ()
+
+
+def parse_spec(text: str, setting: str, table: Mapping[str, Parameter | None], options: bool = False) -> Spec:
+    """``text`` against ``table`` (name → its parameter, None for none); ``options``: whether anything may
+    follow the value (the caller checks it). Raises SpecError naming ``setting``."""
+    name, *args = text.strip().lower().split(":")
+    if name not in table:
+        raise SpecError(f"unknown {setting} {text!r}; known: {', '.join(_forms(table))}")
+    parameter = table[name]
+    if parameter is None:
+        if args and not options:
+            raise SpecError(f"{setting} {name!r} takes no parameter, got {text!r}")
+        return Spec(name, None, tuple(args))
+    value = _number(args[0]) if args else None
+    if value is None or not parameter.valid(value) or (parameter.integer and not value.is_integer()):
+        raise SpecError(f"{setting} {name!r} needs {parameter.what} as in '{name}:VALUE', got {text!r}")
+    if len(args) > 1 and not options:
+        raise SpecError(f"{setting} {name!r} takes one parameter, got {text!r}")
+    return Spec(name, value, tuple(args[1:]))
+
+
+def _forms(table: Mapping[str, Parameter | None]) -> list[str]:
+    return [name if parameter is None else f"{name}:VALUE" for name, parameter in table.items()]
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def label(name: str, value: float | None, *options: str) -> str:
+    """The canonical text of a spec: ``dga:2``, ``topk:0.01``, ``dgc:0.999:momentum``."""
+    parts = [name] if value is None else [name, f"{int(value)}" if value.is_integer() else f"{value:g}"]
+    return ":".join([*parts, *options])
+
+
+# ----- the strategy ---------------------------------------------------------------------------------------------
+MAX_DELAY = 64
+STRATEGIES: dict[str, Parameter | None] = {
+    "fedavg": None,
+    "dga": Parameter(f"a whole number of rounds D in 0..{MAX_DELAY}", lambda d: 0 <= d <= MAX_DELAY, integer=True),
+    "flower-fedavg": None,
+}
 
 
 @dataclass(frozen=True)
@@ -21,29 +87,37 @@ class StrategySpec:
 
     @property
     def label(self) -> str:
-        if self.name != "dga":
-            return self.name
-        return f"dga:{self.delay}" + ("" if self.correction else ":nocorrection")
+        return (
+            self.name
+            if self.name != "dga"
+            else label("dga", self.delay, *([] if self.correction else ["nocorrection"]))
+        )
 
 
 def parse_strategy(text: str, delay: int | None = None, correction: bool = True) -> StrategySpec:
-    """``delay``/``correction`` are the separate ``--delay``/``--no-correction`` flags; the spec wins if both."""
-    name, *args = text.strip().lower().split(":")
-    if name not in STRATEGY_NAMES:
-        raise StrategyError(f"unknown strategy {text!r}; choose one of: fedavg, dga:D, flower-fedavg")
-    if name != "dga":
-        if args or delay:
-            raise StrategyError(f"strategy {name!r} takes no delay (only dga:D does)")
-        return StrategySpec(name)
-    if len(args) > 2 or (len(args) == 2 and args[1] != "nocorrection"):
-        raise StrategyError(f"malformed strategy {text!r}; expected dga:D or dga:D:nocorrection")
-    if args:
-        try:
-            delay = int(args[0])
-        except ValueError:
-            raise StrategyError(f"DGA delay must be an integer, got {args[0]!r}") from None
-    if delay is None:
-        raise StrategyError("dga needs a delay: dga:D or --delay D")
-    if not 0 <= delay <= 64:
-        raise StrategyError(f"DGA delay must be between 0 and 64 rounds, got {delay}")
-    return StrategySpec("dga", delay, correction and len(args) < 2)
+    """``fedavg``, ``dga:D``, ``dga:D:nocorrection`` or ``flower-fedavg``; ``delay``/``correction`` are the
+    separate ``--delay``/``--no-correction`` flags for ``dga`` without a D."""
+    if text.strip().lower() == "dga" and delay is not None:
+        text = f"dga:{delay}"
+    spec = parse_spec(text, "strategy", STRATEGIES, options=True)
+    if spec.name != "dga":
+        if spec.options or delay or not correction:
+            raise SpecError(f"strategy {spec.name!r} takes no delay and no correction switch (only dga:D does)")
+        return StrategySpec(spec.name)
+    if spec.options not in ((), ("nocorrection",)):
+        raise SpecError(f"malformed strategy {text!r}; expected dga:D or dga:D:nocorrection")
+    return StrategySpec("dga", int(spec.value or 0), correction and not spec.options)
+
+
+# ----- the aggregation rule --------------------------------------------------------------------------------------
+AGGREGATES: dict[str, Parameter | None] = {
+    "mean": None,
+    "median": None,
+    "trimmed-mean": Parameter("a fraction BETA in [0, 0.5)", lambda b: 0 <= b < 0.5),
+    "krum": Parameter("a whole number F ≥ 0 of Byzantine clients", lambda f: f >= 0, integer=True),
+}
+
+
+def parse_aggregate(text: str) -> Spec:
+    """``mean``, ``median``, ``trimmed-mean:BETA`` or ``krum:F`` (see ``fl_server.robust``)."""
+    return parse_spec(text, "aggregation", AGGREGATES)

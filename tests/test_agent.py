@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from contract.messages import TrainInstruction
-from contract.settings import ClientJob
+from contract.settings import ClientJob, RunConfig
 from edge.agent import EdgeAgent, Session
-from edge.data import FASHION_MNIST_DIR, DataError, load_dataset
-from edge.models import build_model, get_flat_params, param_layout
-from edgefl.config import RunConfig, client_job
+from ml.data import FASHION_MNIST_DIR, DataError, load_dataset
+from ml.models import build_model, get_flat_params, param_layout
+from strategies.codecs import parse_codec
 from strategies.downlink import BroadcastEncoder
 from strategies.rounds import Update
 
@@ -19,9 +19,9 @@ def test_the_devices_data_dir_wins_over_the_runs() -> None:
     this device's copy."""
     if not FASHION_MNIST_DIR.exists():
         pytest.skip("dataset-fashion-mnist is not installed")
-    job = client_job(
-        RunConfig(dataset="fashion-mnist", partition="iid", data_dir="/nonexistent/fashion-mnist", clients=2)
-    )
+    job = RunConfig(
+        dataset="fashion-mnist", partition="iid", data_dir="/nonexistent/fashion-mnist", clients=2
+    ).client_job()
     with pytest.raises(DataError, match="/nonexistent/fashion-mnist"):
         Session(job, 0, 2)
     session = Session(job, 0, 2, data_dir=str(FASHION_MNIST_DIR))
@@ -29,7 +29,7 @@ def test_the_devices_data_dir_wins_over_the_runs() -> None:
 
 
 def test_the_job_is_parsed_once_per_run_and_refused_when_malformed() -> None:
-    job = client_job(RunConfig(dataset="digits", partition="iid", clients=2))
+    job = RunConfig(dataset="digits", partition="iid", clients=2).client_job()
     assert ClientJob.from_json(job.to_json()) == job
     agent = EdgeAgent()
     try:
@@ -46,12 +46,12 @@ def test_a_reply_carries_every_round_the_global_model_unlocks() -> None:
     """DGA with D = 2: the message that brings the global model of round 0 is answered with rounds 1..3, all
     of them (the staleness bound), not just the first one ready; a message that brings nothing new is
     answered at once with nothing."""
-    job = client_job(
-        RunConfig(strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10, local_steps=2)
-    )
+    job = RunConfig(
+        strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10, local_steps=2
+    ).client_job()
     model = build_model(load_dataset("digits"), job.seed)
     params, layout = get_flat_params(model), param_layout(model)
-    broadcast = BroadcastEncoder("none", params, layout).broadcast(0, params)
+    broadcast = BroadcastEncoder(parse_codec("none"), params, layout).broadcast(0, params)
     agent = EdgeAgent(transport="fast")
     try:
         reply = agent.train(TrainInstruction(job.to_json(), 1, 3, broadcast), 0, 2)
@@ -68,7 +68,7 @@ def test_the_agent_replies_early_when_the_rounds_left_fill_the_round_trip() -> N
     """D = 2 with 1 s rounds and a 1.5 s round trip measured: the agent answers with rounds 1 and 2 and trains
     round 3 while the reply travels (then it is at the bound); with the trip longer than three rounds, or not
     yet measured, it answers only at the bound."""
-    job = client_job(RunConfig(strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10))
+    job = RunConfig(strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10).client_job()
     session = Session(job, 0, 2)
     session.take_global(0, get_flat_params(session.model), now=0.0)
 

@@ -88,7 +88,7 @@ def random_update(seed: int, layout=SMALL) -> np.ndarray:
 def encode_once(spec: str, layout=SMALL, server_round: int = 10, seed: int = 0) -> tuple[str, bytes, np.ndarray]:
     """(stype, payload, u) of a fresh client's first encoding."""
     u = random_update(seed, layout)
-    encoded = make_client_codec(spec, layout, seed).encode(u, server_round)
+    encoded = make_client_codec(parse_codec(spec), layout, seed).encode(u, server_round)
     stype, payload = encoded.stype, encoded.payload
     return stype, payload, u
 
@@ -170,13 +170,13 @@ def test_parse_codec_rejects_with_one_line(spec: str) -> None:
 
 
 def test_bad_updates_and_rounds_raise_codec_error() -> None:
-    codec = make_client_codec("topk:0.1", SMALL, 0)
+    codec = make_client_codec(parse_codec("topk:0.1"), SMALL, 0)
     bad_calls = [
         lambda: codec.encode(np.zeros(size_of(SMALL) + 1, np.float32), 1),
         lambda: codec.encode(np.full(size_of(SMALL), np.nan, np.float32), 1),
         lambda: codec.encode(np.zeros(size_of(SMALL), np.float32), 0),
-        lambda: make_client_codec("topk:0.1", (("w", (0, 3)),), 0),
-        lambda: make_client_codec("dgc:0.9", SMALL, 0, num_clients=0),
+        lambda: make_client_codec(parse_codec("topk:0.1"), (("w", (0, 3)),), 0),
+        lambda: make_client_codec(parse_codec("dgc:0.9"), SMALL, 0, num_clients=0),
     ]
     for call in bad_calls:
         with pytest.raises(CodecError, match=r"^[^\n]+$"):
@@ -189,7 +189,7 @@ def test_bad_updates_and_rounds_raise_codec_error() -> None:
 def test_none_is_bitwise_lossless() -> None:
     u = random_update(0)
     u[:4] = [-0.0, 1e-45, 3.0e38, -1e-30]  # signed zero, subnormal, near float32 max
-    encoded = make_client_codec("none", SMALL, 0).encode(u, 1)
+    encoded = make_client_codec(parse_codec("none"), SMALL, 0).encode(u, 1)
     stype, payload = encoded.stype, encoded.payload
     assert stype == "edgefl.none.v1"
     assert len(payload) == 5 + 4 * u.size
@@ -229,8 +229,8 @@ def test_dgc_warmup_schedule() -> None:
     layout = (("w", (100, 100)), ("b", (100,)))
     expected = [0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001]
     full, no_warmup = (
-        make_client_codec("dgc:0.999", layout, 0),
-        make_client_codec("dgc:0.999:momentum", layout, 0),
+        make_client_codec(parse_codec("dgc:0.999"), layout, 0),
+        make_client_codec(parse_codec("dgc:0.999:momentum"), layout, 0),
     )
     for server_round, density in enumerate(expected, start=1):
         u = random_update(server_round, layout)
@@ -247,11 +247,11 @@ def test_dgc_warmup_length_spreads_the_same_four_stages() -> None:
 
 
 def test_compress_bypasses_the_error_feedback() -> None:
-    codec = make_client_codec("topk:0.1", SMALL, 0)
+    codec = make_client_codec(parse_codec("topk:0.1"), SMALL, 0)
     u = random_update(1)
     stype, payload = codec.compress(u, 1)
     np.testing.assert_array_equal(
-        decode(stype, payload), decode_sent(make_client_codec("topk:0.1", SMALL, 0).encode(u, 1))
+        decode(stype, payload), decode_sent(make_client_codec(parse_codec("topk:0.1"), SMALL, 0).encode(u, 1))
     )
     assert not codec.memory.residual.any()  # encode would have kept the unsent entries
 
@@ -261,7 +261,7 @@ def test_powersgd_is_exact_for_low_rank_and_a_projection_otherwise() -> None:
     rng = np.random.default_rng(1)
     low_rank = (rng.standard_normal((30, 2)) @ rng.standard_normal((2, 20))).astype(np.float32)
     u = np.concatenate([low_rank.ravel(), rng.standard_normal(36).astype(np.float32)])
-    encoded = make_client_codec("powersgd:2", layout, 0).encode(u, 1)
+    encoded = make_client_codec(parse_codec("powersgd:2"), layout, 0).encode(u, 1)
     stype, payload = encoded.stype, encoded.payload
     sent = decode(stype, payload, layout)
     assert np.allclose(sent[:600], u[:600], atol=1e-4 * np.abs(u[:600]).max())
@@ -269,7 +269,7 @@ def test_powersgd_is_exact_for_low_rank_and_a_projection_otherwise() -> None:
 
     matrix = rng.standard_normal((30, 20)).astype(np.float32)
     u[:600] = matrix.ravel()
-    encoded = make_client_codec("powersgd:2", layout, 0).encode(u, 1)
+    encoded = make_client_codec(parse_codec("powersgd:2"), layout, 0).encode(u, 1)
     stype, payload = encoded.stype, encoded.payload
     approx = decode(stype, payload, layout)[:600].reshape(30, 20)
     # P̂ Qᵀ = P̂ P̂ᵀ M is an orthogonal projection of M: the error is orthogonal to it and neither exceeds M.
@@ -351,7 +351,7 @@ def test_stochastic_rounding_is_within_one_level(spec: str, levels: int, norm: s
     ],
 )
 def test_error_feedback_conserves_the_sum_of_updates(spec: str, residual_name: str) -> None:
-    codec = make_client_codec(spec, SMALL, 3)
+    codec = make_client_codec(parse_codec(spec), SMALL, 3)
     sent_total = np.zeros(size_of(SMALL))
     update_total = np.zeros(size_of(SMALL))
     for server_round in range(1, 21):
@@ -365,7 +365,7 @@ def test_error_feedback_conserves_the_sum_of_updates(spec: str, residual_name: s
 
 def test_dgc_momentum_correction_conserves_the_sum_of_velocities() -> None:
     """u_t = m·u_{t−1}(masked) + g_t is what enters the velocity each round: Σ sent + v_T = Σ u_t."""
-    codec = make_client_codec("dgc:0.9", SMALL, 4)
+    codec = make_client_codec(parse_codec("dgc:0.9"), SMALL, 4)
     sent_total = np.zeros(size_of(SMALL))
     velocity_total = np.zeros(size_of(SMALL))
     sparsified = matrix_mask(SMALL)
@@ -384,12 +384,12 @@ def test_dgc_momentum_correction_conserves_the_sum_of_velocities() -> None:
 
 def test_dgc_ablation_stages() -> None:
     g = random_update(5)
-    naive = make_client_codec("dgc:0.9:naive", SMALL, 0)
+    naive = make_client_codec(parse_codec("dgc:0.9:naive"), SMALL, 0)
     sent = decode_sent(naive.encode(g, 1))
     assert not np.any(naive.state_dict()["velocity"]) and not np.any(naive.state_dict()["momentum"])
     assert np.count_nonzero(sent[:72]) <= round(0.1 * 72)  # no warm-up: the target density from round 1
 
-    unmasked = make_client_codec("dgc:0.9:warmup", SMALL, 0)
+    unmasked = make_client_codec(parse_codec("dgc:0.9:warmup"), SMALL, 0)
     sent = decode_sent(unmasked.encode(g, 1))
     assert np.array_equal(unmasked.state_dict()["momentum"], g)  # momentum, but no masking at sent indices
     assert np.count_nonzero(sent[:72]) > round(0.1 * 72)  # warm-up: 25% in round 1
@@ -397,7 +397,7 @@ def test_dgc_ablation_stages() -> None:
 
 def test_dgc_local_clipping_uses_the_clients_share_of_the_norm() -> None:
     g = 100 * random_update(6)
-    codec = make_client_codec("dgc:0.9:clip=2.0", SMALL, 0, num_clients=4)
+    codec = make_client_codec(parse_codec("dgc:0.9:clip=2.0"), SMALL, 0, num_clients=4)
     sent = decode_sent(codec.encode(g, 1))
     entered = sent + codec.state_dict()["velocity"]
     assert np.allclose(entered, g * (2.0 / math.sqrt(4) / np.linalg.norm(g)), atol=1e-6)
@@ -413,7 +413,7 @@ def test_stochastic_codecs_are_unbiased(spec: str) -> None:
     step δ = s/L: δ²·f(1 − f), f = frac(|v_i|/δ). Biased variants (e.g. round-to-nearest) fail by far."""
     u = random_update(7)
     n = 2000
-    codec = make_client_codec(spec, SMALL, 11)
+    codec = make_client_codec(parse_codec(spec), SMALL, 11)
     total = np.zeros(u.size)
     for server_round in range(1, n + 1):
         total += decode_sent(codec.encode(u, server_round))
@@ -476,7 +476,7 @@ def test_payload_size_matches_formula(spec: str, layout) -> None:
 
 
 def test_dgc_at_999_compresses_at_least_300x() -> None:
-    codec = make_client_codec("dgc:0.999", WIDE, 0)
+    codec = make_client_codec(parse_codec("dgc:0.999"), WIDE, 0)
     for server_round in range(1, 6):  # the warm-up takes rounds 1–4
         encoded = codec.encode(0.01 * random_update(server_round, WIDE), server_round)
         stype, payload = encoded.stype, encoded.payload
@@ -486,7 +486,7 @@ def test_dgc_at_999_compresses_at_least_300x() -> None:
 
 def test_payload_larger_than_dense_falls_back_to_dense() -> None:
     layout = (("w", (2,)),)  # 13-byte sparse header + 1 entry > 5 + 8 dense bytes
-    codec = make_client_codec("topk:0.5", layout, 0)
+    codec = make_client_codec(parse_codec("topk:0.5"), layout, 0)
     u = np.array([1.5, -2.0], dtype=np.float32)
     encoded = codec.encode(u, 1)
     stype, payload = encoded.stype, encoded.payload
@@ -641,12 +641,12 @@ def test_fuzzed_payloads_decode_to_finite_vectors_or_raise_malformed(spec: str) 
 
 @pytest.mark.parametrize("spec", ["topk:0.05", "dgc:0.9", "powersgd:2", "onebit"])
 def test_state_dict_restores_the_memory(spec: str) -> None:
-    original = make_client_codec(spec, SMALL, 5)
+    original = make_client_codec(parse_codec(spec), SMALL, 5)
     for server_round in range(1, 4):
         original.encode(random_update(server_round), server_round)
     state = original.state_dict()
     assert all(np.any(array) for array in state.values())
-    restored = make_client_codec(spec, SMALL, 5)
+    restored = make_client_codec(parse_codec(spec), SMALL, 5)
     restored.load_state_dict(state)
     u = random_update(4)
     first, second = original.encode(u, 4), restored.encode(u, 4)

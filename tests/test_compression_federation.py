@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from edge.data import load_dataset
-from edge.models import build_model
+from ml.data import load_dataset
+from ml.models import build_model
 from tests.conftest import edgefl
 
 pytestmark = pytest.mark.federation

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgefl.config import ConfigError, build_config, load_config, save_config
+from contract.settings import ConfigError, build_config, load_config, save_config
 
 
 def test_flags_override_the_file(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_evaluation_sample_is_fixed_by_the_seed_and_drawn_from_the_test_split() 
 
 
 def test_cosine_schedule_anneals_from_the_base_rate_over_the_run() -> None:
-    from edge.trainer import scheduled_lr
+    from ml.trainer import scheduled_lr
 
     rates = [scheduled_lr(0.1, "cosine", r, 10) for r in range(1, 11)]
     assert rates[0] == 0.1

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge.data import (
+from ml.data import (
     CHAR_VOCAB,
     FASHION_MNIST_DIR,
     MAX_SAMPLES_PER_SPEAKER,
@@ -142,7 +142,7 @@ def test_missing_and_broken_idx_files_raise_data_errors(tmp_path: Path) -> None:
 
 def test_missing_fashion_mnist_names_the_debian_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Point the package folder at an empty directory: the package may well be installed here.
-    monkeypatch.setattr("edge.data.FASHION_MNIST_DIR", tmp_path)
+    monkeypatch.setattr("ml.data.FASHION_MNIST_DIR", tmp_path)
     with pytest.raises(DataError) as err:
         load_dataset("fashion-mnist")
     assert "apt-get install dataset-fashion-mnist" in one_line(err) and "--data-dir" in one_line(err)
@@ -168,7 +168,7 @@ def run_isolated(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 HUB_PROBE = """
 import time
-from edge.data import DataError, load_dataset
+from ml.data import DataError, load_dataset
 start = time.monotonic()
 try:
     load_dataset("hf:edgefl-tests/no-such-dataset")
@@ -280,7 +280,7 @@ def test_shakespeare_second_load_comes_from_the_cache(tmp_path: Path, monkeypatc
     def parse_again(*_args: object) -> None:
         raise AssertionError("the cached arrays were not used")
 
-    monkeypatch.setattr("edge.data._shakespeare_arrays", parse_again)
+    monkeypatch.setattr("ml.data._shakespeare_arrays", parse_again)
     second = load_dataset("shakespeare")
     assert np.array_equal(first.x_train, second.x_train) and np.array_equal(first.natural_ids, second.natural_ids)
 

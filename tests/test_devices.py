@@ -24,8 +24,8 @@ TRAIN_STEPS = 100  # about 1 s of CPU time for edgefl's CNN on 28x28 images, on 
 WORKLOAD = f"""
 import sys, time
 import numpy as np, torch
-from edge.models import ImageCNN
-from edge.trainer import LocalTrainer
+from ml.models import ImageCNN
+from ml.trainer import LocalTrainer
 torch.set_num_threads(1)
 rng = np.random.default_rng(0)
 x = rng.standard_normal((512, 1, 28, 28), dtype=np.float32)

@@ -4,7 +4,7 @@ FedAvg, and the FL form against the paper's per-step pseudocode."""
 import numpy as np
 import pytest
 
-from strategies.codecs import make_client_codec
+from strategies.codecs import make_client_codec, parse_codec
 from strategies.dga import DelayedAveragingClient, dga_sgd_step, reply_early
 from strategies.rounds import RoundEngine, Update
 
@@ -53,7 +53,7 @@ def _run_engine(delay: int, correction: bool, rounds: int, targets: list[np.ndar
     w0 = np.zeros(3, dtype=np.float32)
     engine = RoundEngine(w0, LAYOUT, rounds=rounds, num_clients=len(targets), delay=delay)
     clients = [DelayedAveragingClient(delay, correction) for _ in targets]
-    codecs = [make_client_codec("none", LAYOUT, seed=0) for _ in targets]
+    codecs = [make_client_codec(parse_codec("none"), LAYOUT, seed=0) for _ in targets]
     next_round = [1] * len(targets)
     while not engine.done:
         for j, target in enumerate(targets):

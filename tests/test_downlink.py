@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge.data import load_dataset, partition_indices
-from edge.models import build_model, get_flat_params, param_layout, set_flat_params
-from edge.trainer import LocalTrainer
-from strategies.codecs import make_client_codec, server_compressor
+from ml.data import load_dataset
+from ml.partition import partition_indices
+from ml.models import build_model, get_flat_params, param_layout, set_flat_params
+from ml.trainer import LocalTrainer
+from strategies.codecs import make_client_codec, parse_codec, server_compressor
 from strategies.codecs.base import dense_payload_size, layout_info
 from strategies.dga import DelayedAveragingClient
 from strategies.downlink import (
@@ -83,7 +84,7 @@ def test_reference_delta_lands_exactly_on_any_target_the_server_can_reach() -> N
 def test_every_client_holds_the_servers_reference_bit_for_bit(codec: str) -> None:
     """Clients that hear every round, every third round, or join late all end with the server's x̂."""
     models = global_models(12)
-    encoder = BroadcastEncoder(codec, models[0], LAYOUT)
+    encoder = BroadcastEncoder(parse_codec(codec), models[0], LAYOUT)
     clients = {1: BroadcastDecoder(LAYOUT), 3: BroadcastDecoder(LAYOUT), 7: BroadcastDecoder(LAYOUT)}
     for round_, model in enumerate(models[1:], start=1):
         for period, client in clients.items():
@@ -98,7 +99,7 @@ def test_every_client_holds_the_servers_reference_bit_for_bit(codec: str) -> Non
 
 def test_a_chain_is_much_smaller_than_the_model_and_grows_with_the_rounds_missed() -> None:
     models = global_models(4)
-    encoder = BroadcastEncoder("topk:0.01", models[0], LAYOUT)
+    encoder = BroadcastEncoder(parse_codec("topk:0.01"), models[0], LAYOUT)
     first = encoder.broadcast(1, models[1], NO_BASE)
     assert first.base_round == NO_BASE and first.parts[0].stype == DENSE_STYPE
     for round_ in (2, 3, 4):
@@ -111,7 +112,7 @@ def test_a_chain_is_much_smaller_than_the_model_and_grows_with_the_rounds_missed
 
 def test_a_chain_larger_than_the_model_is_sent_dense() -> None:
     models = global_models(3)
-    encoder = BroadcastEncoder("none", models[0], LAYOUT)
+    encoder = BroadcastEncoder(parse_codec("none"), models[0], LAYOUT)
     assert encoder.broadcast(1, models[1], 0).base_round == 0  # one lossless delta: as large as the model
     encoder.broadcast(3, models[3], 1)  # rounds 2 and 3 close together: one delta
     assert encoder.broadcast(3, models[3], 1).base_round == 1
@@ -120,7 +121,7 @@ def test_a_chain_larger_than_the_model_is_sent_dense() -> None:
 
 def test_error_feedback_brings_the_reference_to_a_model_that_stops_moving() -> None:
     models = global_models(2)
-    encoder = BroadcastEncoder("topk:0.01", models[0], LAYOUT)
+    encoder = BroadcastEncoder(parse_codec("topk:0.01"), models[0], LAYOUT)
     encoder.broadcast(1, models[1])
     gap = np.linalg.norm(models[1] - encoder.reference)
     for round_ in range(2, 200):
@@ -130,7 +131,7 @@ def test_error_feedback_brings_the_reference_to_a_model_that_stops_moving() -> N
 
 def test_a_chain_from_another_round_is_refused() -> None:
     models = global_models(2)
-    encoder = BroadcastEncoder("int8", models[0], LAYOUT)
+    encoder = BroadcastEncoder(parse_codec("int8"), models[0], LAYOUT)
     client = BroadcastDecoder(LAYOUT)
     client.receive(encoder.broadcast(1, models[1], NO_BASE))
     with pytest.raises(DownlinkError, match="continues from round 0 but this client holds round 1"):
@@ -151,9 +152,9 @@ def federate(down: str | None, rounds: int = 4) -> list[np.ndarray]:
     model = build_model(dataset, 0)
     layout = param_layout(model)
     engine = RoundEngine(get_flat_params(model), layout, rounds=rounds, num_clients=2)
-    encoder = BroadcastEncoder(down or "none", engine.global_params, layout)
+    encoder = BroadcastEncoder(parse_codec(down or "none"), engine.global_params, layout)
     decoders = [BroadcastDecoder(layout) for _ in parts]
-    codecs = [make_client_codec("none", layout, seed=j) for j in range(2)]
+    codecs = [make_client_codec(parse_codec("none"), layout, seed=j) for j in range(2)]
     trainers = [
         LocalTrainer(build_model(dataset, 0), dataset.x_train[idx], dataset.y_train[idx], 16, 0.05, 0.9, j)
         for j, idx in enumerate(parts)
@@ -191,10 +192,10 @@ def test_dga_sums_check_out_with_both_directions_compressed() -> None:
     rng = np.random.default_rng(0)
     w0 = rng.standard_normal(SIZE).astype(np.float32)
     engine = RoundEngine(w0, LAYOUT, rounds=rounds, num_clients=2, delay=delay)
-    encoder = BroadcastEncoder("int8", w0, LAYOUT, seed=7)
+    encoder = BroadcastEncoder(parse_codec("int8"), w0, LAYOUT, seed=7)
     decoders = [BroadcastDecoder(LAYOUT) for _ in weights]
     dga = [DelayedAveragingClient(delay) for _ in weights]
-    codecs = [make_client_codec("topk:0.05", LAYOUT, seed=j) for j in range(2)]
+    codecs = [make_client_codec(parse_codec("topk:0.05"), LAYOUT, seed=j) for j in range(2)]
     decoded: dict[tuple[int, int], np.ndarray] = {}  # (client, round) → the update as the server decodes it
     next_round = [1, 1]
     while not engine.done:

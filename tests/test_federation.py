@@ -16,11 +16,12 @@ import pytest
 import torch
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
-from edge.data import load_dataset, partition_indices
-from edge.models import build_model, get_flat_params, set_flat_params
+from contract.run_folder import load_checkpoint, read_rounds
 from edgefl.launcher import _flower_env
 from fl_client.tasks import TaskTiming
-from fl_server.results import load_checkpoint, read_rounds
+from ml.data import load_dataset
+from ml.partition import partition_indices
+from ml.models import build_model, get_flat_params, set_flat_params
 from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_first_round
 
 pytestmark = pytest.mark.federation
@@ -99,7 +100,9 @@ def test_the_deployments_fedavg_and_dga_with_zero_delay_are_fedavg(tmp_path: Pat
     expected = _fedavg_written_here(rounds=3, steps=5, lr=0.05, momentum=0.9, seed=3)
     for strategy in ("fedavg", "dga:0"):
         out = tmp_path / strategy.replace(":", "-")
-        done = edgefl("run", *FAST, "--rounds", "3", "--strategy", strategy, "--eval-examples", "100", "--out", str(out))
+        done = edgefl(
+            "run", *FAST, "--rounds", "3", "--strategy", strategy, "--eval-examples", "100", "--out", str(out)
+        )
         assert done.returncode == 0, done.stderr
         assert not processes_of(out)
         np.testing.assert_allclose(load_checkpoint(out)[1], expected, rtol=1e-5, atol=1e-6)
@@ -107,7 +110,7 @@ def test_the_deployments_fedavg_and_dga_with_zero_delay_are_fedavg(tmp_path: Pat
 
 def _steps_lasting(seconds: float) -> int:
     """Local steps of the digits CNN that take about ``seconds`` on this machine (timed here, 1 thread)."""
-    from edge.trainer import LocalTrainer
+    from ml.trainer import LocalTrainer
 
     dataset = load_dataset("digits")
     trainer = LocalTrainer(build_model(dataset, 0), dataset.x_train, dataset.y_train, 32, 0.05, 0.9, seed=0)
@@ -126,6 +129,24 @@ def test_a_round_longer_than_flowers_task_heartbeat_timeout_completes(run_dir: P
     (message,) = read_rounds(run_dir, "messages.jsonl")
     assert message["train_s"] > timeout_s, "the round was not long enough to test anything"
     assert read_rounds(run_dir)[0]["rejected"] == []
+
+
+def test_a_failed_evaluation_stops_the_run_in_one_line_and_keeps_the_checkpoint(run_dir: Path) -> None:
+    """A round's row and checkpoint are written by the evaluation thread: when that fails (here the checkpoint's
+    temporary file cannot be written), the run stops with the error instead of going on without its rows."""
+    proc = start_edgefl("run", *FAST, "--rounds", "200", "--eval-examples", "100", "--out", str(run_dir))
+    wait_for_first_round(proc, run_dir)
+    while not (run_dir / "checkpoint.npz").exists():  # round 1's is written right after its row
+        assert proc.poll() is None
+        time.sleep(0.05)
+    (run_dir / "checkpoint.npz.tmp.npz").mkdir()  # where the next checkpoint is written first
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert len(err.strip().splitlines()) == 1 and "the server failed" in err and "IsADirectoryError" in err, err
+    checkpoint_round, _ = load_checkpoint(run_dir)
+    assert 1 <= checkpoint_round < 200
+    assert not (run_dir / "summary.json").exists()
+    assert not processes_of(run_dir)
 
 
 def test_ctrl_c_stops_every_process(run_dir: Path) -> None:

@@ -10,8 +10,8 @@ import onnxruntime
 import pytest
 import torch
 
-from edge.data import CHAR_VOCAB, SEQ_LEN, Dataset, load_dataset
-from edge.models import ModelError, build_model, get_flat_params, param_layout, set_flat_params
+from ml.data import CHAR_VOCAB, SEQ_LEN, Dataset, load_dataset
+from ml.models import ModelError, build_model, get_flat_params, param_layout, set_flat_params
 
 
 def image_set(side: int, num_classes: int = 10, channels: int = 1) -> Dataset:

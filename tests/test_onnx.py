@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from contract.run_folder import save_checkpoint
+from contract.settings import RunConfig, save_config
 from edge.bench import (
     FP32_MAX_LOGIT_DIFF,
     INT8_MAX_ACCURACY_DELTA,
@@ -20,12 +22,10 @@ from edge.bench import (
     load_target,
     run_bench,
 )
-from edge.data import CHAR_VOCAB, SEQ_LEN, DataError, Dataset, encode_chars, load_dataset
-from edge.models import build_model, get_flat_params
-from edge.onnx import OnnxClassifier, export_onnx, quantize_int8
-from edge.trainer import LocalTrainer, evaluate
-from edgefl.config import RunConfig, save_config
-from fl_server.results import save_checkpoint
+from ml.data import CHAR_VOCAB, SEQ_LEN, DataError, Dataset, encode_chars, load_dataset
+from ml.models import build_model, get_flat_params
+from ml.onnx import OnnxClassifier, export_onnx, quantize_int8
+from ml.trainer import LocalTrainer, evaluate
 from tests.conftest import edgefl
 
 TEXT_TRAIN, TEXT_TEST = 3000, 600  # rows of the text set used here, to keep the LSTM fast

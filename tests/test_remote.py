@@ -102,6 +102,11 @@ def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_ref
         assert first.returncode == 0, first.stderr
         rows = [json.loads(line) for line in (tmp_path / "run-1" / "rounds.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rows] == [1, 2] and all(r["clients"] == [0, 1] for r in rows)
+        # The ServerApp wrote the run on the server's side; the submitter got the same files streamed back.
+        (on_server,) = (server_dir / "runs").glob("run-1-*")
+        for name in ("rounds.jsonl", "messages.jsonl", "summary.json", "global.onnx"):
+            assert (tmp_path / "run-1" / name).read_bytes() == (on_server / name).read_bytes(), name
+        assert (tmp_path / "run-1" / "accuracy_vs_time.png").exists()
 
         # A node whose key the server does not know is refused, in the client's one line and in the server's log.
         stranger = edgefl("client", "--server", f"127.0.0.1:{port}", "--root-cert", str(certs / "ca.pem"),

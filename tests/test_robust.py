@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgefl.config import ConfigError, build_config
-from fl_server.robust import AggregateError, make_aggregator
-from strategies.codecs import make_client_codec
+from contract.errors import EdgeflError
+from contract.settings import build_config
+from fl_server.robust import make_aggregator
+from strategies.codecs import make_client_codec, parse_codec
 from strategies.rounds import RoundEngine, Update
+from strategies.spec import SpecError, parse_aggregate
 
 LAYOUT = (("w", (3,)),)
 
@@ -19,11 +21,11 @@ def _updates(*rows: list[float]) -> list[tuple[np.ndarray, int]]:
 
 
 def test_mean_is_the_engines_own_streaming_mean() -> None:
-    assert make_aggregator("mean") is None
+    assert make_aggregator(parse_aggregate("mean")) is None
 
 
 def test_median_per_coordinate() -> None:
-    median = make_aggregator("median")
+    median = make_aggregator(parse_aggregate("median"))
     result = median(_updates([1, 10, -1], [2, 30, -3], [3, 20, -2]))
     np.testing.assert_array_equal(result, [2, 20, -2])
     assert result.dtype == np.float32
@@ -31,27 +33,27 @@ def test_median_per_coordinate() -> None:
 
 def test_trimmed_mean_drops_the_extremes_of_each_coordinate() -> None:
     rows = [[1, 0, 5], [2, 0, 5], [3, 0, 5], [4, 0, 5], [100, -100, 5]]
-    trimmed = make_aggregator("trimmed-mean:0.2")(_updates(*rows))
+    trimmed = make_aggregator(parse_aggregate("trimmed-mean:0.2"))(_updates(*rows))
     # 20 % of 5 values: one cut at each end of every coordinate.
     np.testing.assert_allclose(trimmed, [3, 0, 5])
-    untrimmed = make_aggregator("trimmed-mean:0")(_updates(*rows))
+    untrimmed = make_aggregator(parse_aggregate("trimmed-mean:0"))(_updates(*rows))
     np.testing.assert_allclose(untrimmed, np.mean(rows, axis=0))
 
 
 def test_krum_picks_the_update_closest_to_its_neighbours() -> None:
     rows = [[1.0, 1.0, 1.0], [1.1, 0.9, 1.0], [0.9, 1.0, 1.1], [1.0, 1.1, 0.9], [50.0, -50.0, 50.0]]
-    chosen = make_aggregator("krum:1")(_updates(*rows))
+    chosen = make_aggregator(parse_aggregate("krum:1"))(_updates(*rows))
     assert any(np.array_equal(chosen, np.float32(row)) for row in rows[:4])
     # With every honest update at the same point, that point wins outright.
-    same = make_aggregator("krum:1")(_updates([2, 2, 2], [2, 2, 2], [2, 2, 2], [2, 2, 2], [-9, 9, -9]))
+    same = make_aggregator(parse_aggregate("krum:1"))(_updates([2, 2, 2], [2, 2, 2], [2, 2, 2], [2, 2, 2], [-9, 9, -9]))
     np.testing.assert_array_equal(same, [2, 2, 2])
 
 
 def test_a_poisoned_client_does_not_move_the_median_but_moves_the_mean() -> None:
     honest = [[0.1, -0.2, 0.3], [0.2, -0.1, 0.1], [0.3, -0.3, 0.2]]
-    clean = make_aggregator("median")(_updates(*honest))
+    clean = make_aggregator(parse_aggregate("median"))(_updates(*honest))
     # A fourth client that is as far off as it likes: the median of 4 stays within the honest values' range.
-    poisoned = make_aggregator("median")(_updates(*honest, [1e6, -1e6, 1e6]))
+    poisoned = make_aggregator(parse_aggregate("median"))(_updates(*honest, [1e6, -1e6, 1e6]))
     low, high = np.min(honest, axis=0), np.max(honest, axis=0)
     assert np.all(poisoned >= low) and np.all(poisoned <= high)
     assert np.max(np.abs(poisoned - clean)) <= np.max(high - low)
@@ -59,13 +61,15 @@ def test_a_poisoned_client_does_not_move_the_median_but_moves_the_mean() -> None
 
 
 def _contribution(values: list[float]) -> Update:
-    encoded = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), 1)
+    encoded = make_client_codec(parse_codec("none"), LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), 1)
     stype, payload = encoded.stype, encoded.payload
     return Update(1, stype, payload, 10)
 
 
 def test_the_engine_aggregates_a_round_with_the_rule() -> None:
-    engine = RoundEngine(np.zeros(3, np.float32), LAYOUT, rounds=1, num_clients=3, aggregator=make_aggregator("median"))
+    engine = RoundEngine(
+        np.zeros(3, np.float32), LAYOUT, rounds=1, num_clients=3, aggregator=make_aggregator(parse_aggregate("median"))
+    )
     for client, values in enumerate([[1, 1, 1], [2, 2, 2], [900, 900, 900]]):
         engine.next_request(client)
         assert engine.receive(client, [_contribution(values)]) == []
@@ -78,19 +82,19 @@ def test_the_engine_aggregates_a_round_with_the_rule() -> None:
     ("text", "message"),
     [
         ("average", "unknown aggregation"),
-        ("median:3", "unknown aggregation"),
-        ("trimmed-mean", "expected trimmed-mean:VALUE"),
-        ("trimmed-mean:0.5", r"\[0, 0.5\)"),
-        ("trimmed-mean:x", "must be a number"),
-        ("krum:-1", "at least 0"),
-        ("krum:1.5", "must be an integer"),
+        ("median:3", "'median' takes no parameter"),
+        ("trimmed-mean", "needs a fraction BETA in .0, 0.5. as in 'trimmed-mean:VALUE'"),
+        ("trimmed-mean:0.5", "needs a fraction BETA in .0, 0.5."),
+        ("trimmed-mean:x", "needs a fraction BETA"),
+        ("krum:-1", "needs a whole number F ≥ 0"),
+        ("krum:1.5", "needs a whole number F ≥ 0"),
     ],
 )
 def test_bad_rules_are_refused_in_one_line(text: str, message: str) -> None:
-    with pytest.raises(AggregateError, match=message) as err:
-        make_aggregator(text)
+    with pytest.raises(SpecError, match=message) as err:
+        make_aggregator(parse_aggregate(text))
     assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(EdgeflError, match=message):
         build_config(aggregate=text)
 
 

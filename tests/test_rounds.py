@@ -2,14 +2,14 @@
 
 import numpy as np
 
-from strategies.codecs import make_client_codec
+from strategies.codecs import make_client_codec, parse_codec
 from strategies.rounds import RoundEngine, Update
 
 LAYOUT = (("w", (4,)),)
 
 
 def _update(values: list[float], round_: int, n: int = 1) -> Update:
-    encoded = make_client_codec("none", LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
+    encoded = make_client_codec(parse_codec("none"), LAYOUT, seed=0).encode(np.array(values, dtype=np.float32), round_)
     stype, payload = encoded.stype, encoded.payload
     return Update(round_, stype, payload, n)
 

@@ -1,6 +1,6 @@
 """Compressed update codecs: client-side compressor + memory, server-side decode by wire type.
 
-Client: `codec = make_client_codec("topk:0.01", layout, seed)`; each round `codec.encode(u, server_round)`
+Client: `codec = make_client_codec(parse_codec("topk:0.01"), layout, seed)`; each round `codec.encode(u, server_round)`
 gives the wire type, the payload and the update the server will decode from it. Server:
 `server_compressor(stype).decode(payload, layout)`, which raises MalformedUpdate (one-line reason) for any
 payload that is not a valid update for the layout.
@@ -17,7 +17,7 @@ from strategies.codecs.base import (
 from strategies.codecs.client import ClientCodec, Encoded
 from strategies.codecs.dgc import DGC_STAGES, DGCOptions
 from strategies.codecs.registry import (
-    CODEC_NAMES,
+    CODECS,
     CodecSpec,
     make_client_codec,
     parse_codec,
@@ -25,7 +25,7 @@ from strategies.codecs.registry import (
 )
 
 __all__ = [
-    "CODEC_NAMES",
+    "CODECS",
     "DGC_STAGES",
     "ClientCodec",
     "CodecError",

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+from strategies.spec import Parameter
+
+if TYPE_CHECKING:
+    from strategies.codecs.memory import Memory
+    from strategies.codecs.registry import CodecSpec
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 """(name, shape) per tensor, in order; the sizes sum to the update length P."""
@@ -27,7 +33,7 @@ DENSE_HEADER = struct.Struct("<BI")  # version, P
 
 
 class CodecError(ValueError):
-    """A bad codec spec, layout, update or saved state; str() is one human-readable line."""
+    """A bad layout, update or saved state for a codec; str() is one human-readable line."""
 
 
 class MalformedUpdate(CodecError):
@@ -64,6 +70,18 @@ class Compressor(Protocol):
     def decode(self, payload: bytes, layout: Layout) -> Vector:
         """Validate payload and return the dense update it carries; raises MalformedUpdate."""
         ...
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One row of the codec table (``strategies.codecs.registry.CODECS``), declared by the codec's own module:
+    its name, the parameter it takes (None: none), the client's compressor and memory for a parsed spec, the
+    layout, the client's seed and the number of clients, and the decoder the server uses for its wire type."""
+
+    name: str
+    parameter: Parameter | None
+    make: Callable[[CodecSpec, Layout, int, int], tuple[Compressor, Memory]]
+    decoder: Compressor
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import numpy.typing as npt
 from strategies.codecs.base import (
     DENSE_HEADER,
     FORMAT_VERSION,
+    Codec,
     Compressor,
     CompressorState,
     Layout,
@@ -18,6 +19,7 @@ from strategies.codecs.base import (
     layout_info,
     read_header,
 )
+from strategies.codecs.memory import Memory
 
 
 def dense_payload(v: Vector) -> bytes:
@@ -46,3 +48,6 @@ class NoCompression(Compressor):
         values = np.frombuffer(payload, dtype="<f4", offset=DENSE_HEADER.size)
         check_finite(values, "values", self.stype)
         return values
+
+
+NONE = Codec("none", None, lambda spec, layout, seed, clients: (NoCompression(), Memory()), NoCompression())

@@ -21,13 +21,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
 
 from strategies.codecs.base import (
     FORMAT_VERSION,
+    Codec,
     CodecError,
     Compressor,
     CompressorState,
@@ -40,6 +41,10 @@ from strategies.codecs.base import (
     layout_info,
     read_header,
 )
+from strategies.spec import Parameter
+
+if TYPE_CHECKING:
+    from strategies.codecs.registry import CodecSpec
 from strategies.codecs.memory import Memory
 from strategies.codecs.sparse import (
     SPARSE_HEADER,
@@ -247,3 +252,13 @@ class DGCMemory(Memory):
         shape = self.momentum.shape
         arrays = checked_state(state, {"momentum": shape, "velocity": shape})
         self.momentum, self.velocity = arrays["momentum"], arrays["velocity"]
+
+
+def _make_dgc(spec: CodecSpec, layout: Layout, seed: int, clients: int) -> tuple[DGCCompressor, DGCMemory]:
+    options = DGCOptions.for_stage(spec.value, spec.stage, spec.clip_norm, clients, spec.warmup_rounds)
+    return DGCCompressor(), DGCMemory(layout, options)
+
+
+CLIP_PARAMETER = Parameter("a positive clipping norm", lambda x: x > 0)
+WARMUP_PARAMETER = Parameter("a whole number of warm-up rounds ≥ 1", lambda x: x >= 1, integer=True)
+DGC = Codec("dgc", Parameter("a sparsity in (0, 1)", lambda x: 0 < x < 1), _make_dgc, DGCCompressor())

@@ -21,6 +21,7 @@ import numpy as np
 
 from strategies.codecs.base import (
     FORMAT_VERSION,
+    Codec,
     Compressor,
     CompressorState,
     Layout,
@@ -33,6 +34,7 @@ from strategies.codecs.base import (
     read_header,
 )
 from strategies.codecs.memory import ResidualMemory
+from strategies.spec import Parameter
 
 POWERSGD_HEADER = struct.Struct("<BIH")  # version, P, rank
 
@@ -144,3 +146,11 @@ class PowerSGDMemory(ResidualMemory):
         arrays = checked_state(state, {"residual": self.residual.shape, **shapes})
         self.residual = arrays.pop("residual")
         self.warm_start = {int(name.removeprefix("warm_start.")): q for name, q in arrays.items()}
+
+
+POWERSGD = Codec(
+    "powersgd",
+    Parameter("an integer rank in [1, 65535]", lambda x: 1 <= x <= 65535, integer=True),
+    lambda spec, layout, seed, clients: (PowerSGD(int(spec.value)), PowerSGDMemory(layout, int(spec.value), seed)),
+    PowerSGD(),
+)

@@ -13,6 +13,7 @@ import numpy as np
 from strategies.codecs.base import (
     DENSE_HEADER,
     FORMAT_VERSION,
+    Codec,
     Compressor,
     CompressorState,
     Layout,
@@ -24,6 +25,8 @@ from strategies.codecs.base import (
     matrix_shape,
     read_header,
 )
+from strategies.codecs.memory import Memory, ResidualMemory
+from strategies.spec import Parameter
 
 QUANTIZER_HEADER = struct.Struct("<BII")  # version, P, levels
 QSGD_STYPE = "edgefl.qsgd.v1"
@@ -221,3 +224,21 @@ class StochasticQuantizer(Compressor):
             out = xi * np.repeat(scales / np.float32(levels), info.sizes)
         check_finite(out, "decoded entries", self.stype)
         return out
+
+
+ONEBIT = Codec(
+    "onebit", None, lambda spec, layout, seed, clients: (OneBit(), ResidualMemory(layout_info(layout).size)), OneBit()
+)
+TERNGRAD = Codec("terngrad", None, lambda spec, layout, seed, clients: (TernGrad(), Memory()), TernGrad())
+INT8 = Codec(
+    "int8",
+    None,
+    lambda spec, layout, seed, clients: (StochasticQuantizer(INT8_STYPE, 127, "max"), Memory()),
+    StochasticQuantizer(INT8_STYPE, 127, "max"),
+)
+QSGD = Codec(
+    "qsgd",
+    Parameter(f"an integer number of levels in [1, {MAX_LEVELS}]", lambda x: 1 <= x <= MAX_LEVELS, integer=True),
+    lambda spec, layout, seed, clients: (StochasticQuantizer(QSGD_STYPE, int(spec.value), "l2"), Memory()),
+    StochasticQuantizer(),
+)

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from strategies.codecs.base import (
     FORMAT_VERSION,
+    Codec,
     Compressor,
     CompressorState,
     Layout,
@@ -26,6 +27,8 @@ from strategies.codecs.base import (
     layout_info,
     read_header,
 )
+from strategies.codecs.memory import ResidualMemory
+from strategies.spec import Parameter
 
 SPARSE_HEADER = struct.Struct("<BIIf")  # version, P, count, scale (top-k, DGC) or τ (threshold)
 Indices = npt.NDArray[np.unsignedinteger]
@@ -152,3 +155,17 @@ class Threshold(SparseCompressor):
         packed = np.frombuffer(payload, dtype=np.uint8, offset=SPARSE_HEADER.size + index_bytes)
         negative = np.unpackbits(packed, count=count).astype(bool)
         return indices, np.where(negative, -np.float32(tau), np.float32(tau))
+
+
+TOPK = Codec(
+    "topk",
+    Parameter("a ratio in (0, 1)", lambda x: 0 < x < 1),
+    lambda spec, layout, seed, clients: (TopK(spec.value), ResidualMemory(layout_info(layout).size)),
+    TopK(),
+)
+THRESHOLD = Codec(
+    "threshold",
+    Parameter("a threshold τ > 0", lambda x: x > 0),
+    lambda spec, layout, seed, clients: (Threshold(spec.value), ResidualMemory(layout_info(layout).size)),
+    Threshold(),
+)

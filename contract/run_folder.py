@@ -1,14 +1,17 @@
 """The files a run leaves in ``runs/NAME/``: ``rounds.jsonl`` (one object per closed round), ``messages.jsonl``
-(one object per message round trip),
-``summary.json``, ``checkpoint.npz`` (what ``edgefl run --resume`` continues from), ``global.onnx`` (the final
-model) and ``server_error.txt`` when the server failed.
+(one object per message round trip), ``summary.json``, ``checkpoint.npz`` (what ``edgefl run --resume``
+continues from), ``global.onnx`` (the final model) and ``server_error.txt`` when the server failed.
+
+The ServerApp writes them through ``RunFolder``. In a run submitted from another machine
+(``--federation remote``) it also echoes every write as one ``ECHO`` line on its output, which Flower streams to
+the submitter (``flwr log --stream``); there ``mirror`` writes the same files into the submitter's folder.
 
 A round's row is appended before its checkpoint is written, so after a crash rounds.jsonl may run ahead of the
 checkpoint (never behind); a resumed run first cuts it back to the checkpoint's round."""
 
 from __future__ import annotations
 
-import dataclasses
+import base64
 import json
 import math
 import os
@@ -27,9 +30,58 @@ GLOBAL_ONNX = "global.onnx"
 SERVER_ERROR = "server_error.txt"
 
 
-def append_round(run_dir: Path, row: dict[str, Any]) -> None:
-    with open(run_dir / ROUNDS, "a") as f:
-        f.write(json.dumps(row) + "\n")
+ECHO = "edgefl-result "
+ECHO_CHUNK = 48_000  # bytes of a binary file per echoed line (base64: 64 kB)
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """Where the ServerApp writes a run; ``echo``: also say every write on stdout (see the module docstring)."""
+
+    path: Path
+    echo: bool = False
+
+    def append(self, name: str, row: dict[str, Any]) -> None:
+        """One row of ``rounds.jsonl`` or ``messages.jsonl``."""
+        line = json.dumps(row)
+        with open(self.path / name, "a") as f:
+            f.write(line + "\n")
+        self._say({"file": name, "row": row})
+
+    def write(self, name: str, data: bytes) -> None:
+        """A whole file (summary, model, error), replaced atomically."""
+        tmp = self.path / (name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path / name)
+        chunks = [data[i : i + ECHO_CHUNK] for i in range(0, len(data), ECHO_CHUNK)] or [b""]
+        for part, chunk in enumerate(chunks):
+            self._say({"file": name, "part": part, "parts": len(chunks), "data": base64.b64encode(chunk).decode()})
+
+    def _say(self, record: dict[str, Any]) -> None:
+        if self.echo:
+            print(ECHO + json.dumps(record), flush=True)
+
+
+def mirror(out: Path, text: str, parts: dict[str, list[bytes]]) -> list[str]:
+    """Write the files the ``ECHO`` lines in ``text`` describe into ``out``; ``parts`` holds the chunks of files
+    not complete yet, across calls. Returns the names of the files written or appended to."""
+    written = []
+    for line in text.splitlines():
+        if not line.startswith(ECHO):
+            continue
+        record = json.loads(line.removeprefix(ECHO))
+        name = Path(record["file"]).name  # a file of the run's folder, nothing else
+        if "row" in record:
+            with open(out / name, "a") as f:
+                f.write(json.dumps(record["row"]) + "\n")
+        else:
+            chunks = parts.setdefault(name, [])
+            chunks.append(base64.b64decode(record["data"]))
+            if len(chunks) < record["parts"]:
+                continue
+            (out / name).write_bytes(b"".join(parts.pop(name)))
+        written.append(name)
+    return written
 
 
 @dataclass(frozen=True)
@@ -50,11 +102,6 @@ class MessageTrip:
     bytes_up: int
     objects_down: int
     objects_up: int
-
-
-def append_message(run_dir: Path, trip: MessageTrip) -> None:
-    with open(run_dir / MESSAGES, "a") as f:
-        f.write(json.dumps(dataclasses.asdict(trip)) + "\n")
 
 
 def read_rounds(run_dir: Path, name: str = ROUNDS) -> list[dict[str, Any]]:
@@ -154,6 +201,7 @@ def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
     }
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+def summary_bytes(summary: dict[str, Any]) -> bytes:
+    """summary.json's content: NaN and Inf written as null."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
-    (run_dir / SUMMARY).write_text(json.dumps(clean, indent=2) + "\n")
+    return (json.dumps(clean, indent=2) + "\n").encode()

