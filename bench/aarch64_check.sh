@@ -2,7 +2,8 @@
 # The aarch64 (Raspberry Pi OS 64-bit) check under qemu user emulation; too slow for every CI run.
 #
 # 1. installs qemu-user-static, binfmt-support and debootstrap, and registers qemu-aarch64 with binfmt_misc
-#    (Flower's SuperNode starts a ClientApp process per message, so every aarch64 binary must run by itself);
+#    (edgefl client starts the agent and the SuperNode, the agent a child process for its partition: every
+#    aarch64 binary must run by itself);
 # 2. debootstraps Debian bookworm arm64 into --cache (kept, so a rerun skips this), copies the project to
 #    /opt/edgefl in it and runs the project's installer there (install.sh: apt, venv, PyPI's aarch64 wheels;
 #    the .venv is kept too: --fresh-venv measures a first install);
@@ -20,7 +21,6 @@ OUT=$REPO/runs/aarch64-check
 ROUNDS=2
 LOCAL_STEPS=5
 FRESH_VENV=0
-MIRROR=http://deb.debian.org/debian
 HOST_CA=/etc/ssl/certs/ca-certificates.crt
 DEVICE_PROJECT=/opt/edgefl
 DEVICE_OUT=/root/edgefl-client
@@ -47,6 +47,10 @@ mkdir -p "$CACHE" "$OUT"
 CACHE=$(cd "$CACHE" && pwd)
 OUT=$(cd "$OUT" && pwd)
 ROOTFS=$CACHE/rootfs
+# The Debian mirror this machine's apt uses (deb822 "URIs:" or a one-line "deb" entry); debootstrap's own
+# default when there is none.
+MIRROR=$(sed -n -e 's/^URIs: *\([^ ]*\/debian\)$/\1/p' -e 's/^deb  *\(\[[^]]*\] *\)\{0,1\}\([^ ]*\/debian\) .*/\2/p' \
+    /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null | head -n 1)
 LOG=$OUT/aarch64_check.log
 : >"$LOG"
 EDGEFL=edgefl
@@ -147,7 +151,7 @@ if [ ! -d "$ROOTFS" ]; then
     step "debootstrap bookworm arm64 into $ROOTFS (once; cached)"
     rm -rf --one-file-system "$ROOTFS.partial"
     start=$SECONDS
-    nice -n 19 debootstrap --arch=arm64 --variant=minbase bookworm "$ROOTFS.partial" "$MIRROR" >>"$LOG" 2>&1 ||
+    nice -n 19 debootstrap --arch=arm64 --variant=minbase bookworm "$ROOTFS.partial" ${MIRROR:+"$MIRROR"} >>"$LOG" 2>&1 ||
         die "debootstrap failed; see $LOG"
     mv "$ROOTFS.partial" "$ROOTFS"
     echo "debootstrap: $((SECONDS - start)) s" | tee -a "$LOG"

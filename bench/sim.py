@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ml.data import load_dataset
-from ml.partition import partition_indices
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
+from ml.partition import partition_indices
 from ml.trainer import LocalTrainer, evaluate
 from strategies.codecs import dense_payload_size, make_client_codec, parse_codec, server_compressor
 from strategies.codecs.base import layout_info

@@ -23,7 +23,7 @@ import numpy as np
 from contract.messages import TrainInstruction, TrainReply
 from contract.settings import ClientJob
 from edge.health import health_snapshot
-from ml.data import load_dataset, one_partition
+from ml.data import load_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.trainer import LocalTrainer, scheduled_lr
 from strategies.codecs import make_client_codec
@@ -44,16 +44,15 @@ class Session:
     def __init__(self, job: ClientJob, partition_id: int, num_partitions: int, data_dir: str = "") -> None:
         self.job = job
         self.partition_id = partition_id
-        dataset = load_dataset(job.dataset, data_dir or job.data_dir or None)
-        idx = one_partition(dataset, job.partition, num_partitions, job.seed, partition_id)
-        self.num_examples = len(idx)
-        self.model = build_model(dataset, job.seed)
+        data = load_partition(
+            job.dataset, data_dir or job.data_dir or None, job.partition, num_partitions, job.seed, partition_id
+        )
+        self.num_examples = len(data.y_train)
+        self.model = build_model(data, job.seed)
         self.layout = param_layout(self.model)
         seed = job.seed * 1000 + partition_id
         momentum = 0.0 if job.codec_spec.holds_momentum else job.momentum
-        self.trainer = LocalTrainer(
-            self.model, dataset.x_train.subset(idx), dataset.y_train[idx], job.batch_size, job.lr, momentum, seed
-        )
+        self.trainer = LocalTrainer(self.model, data.x_train, data.y_train, job.batch_size, job.lr, momentum, seed)
         self.codec = make_client_codec(job.codec_spec, self.layout, seed=seed, num_clients=num_partitions)
         self.dga = DelayedAveragingClient(job.delay, job.correction)
         self.broadcast = BroadcastDecoder(self.layout)

@@ -1,6 +1,7 @@
 """Starting and stopping the processes of a run. Stopping takes each started process together with every
-process it forked (Flower's SuperExec starts the ServerApp and ClientApps, some in sessions of their own),
-found by PID through /proc (Linux) before any signal is sent: SIGTERM, a grace period, then SIGKILL."""
+process it forked (Flower's SuperExec starts the ServerApp, in a session of its own), found by PID through /proc
+(Linux) before any signal is sent: SIGTERM, a grace period, then SIGKILL — and SIGKILL to each started
+process's group, for a child forked after the tree was read (e.g. an agent's partition worker)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,8 @@ class ProcessGroup:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         _signal_all(tree, signal.SIGKILL)  # whatever ignored SIGTERM
-        for _, proc in self.procs:
+        for _, proc in self.procs:  # and what was forked after the tree was read (each started process leads a
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # process group its children join)
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         self.procs.clear()

@@ -67,6 +67,10 @@ def _fmt(value: Any, spec: str = ".1f") -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _times(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
 def ratio(base: dict[str, Any], other: dict[str, Any], key: str) -> float | None:
     """base[key] / other[key], None when either is missing (e.g. a run that never reached its target)."""
     return base[key] / other[key] if base.get(key) and other.get(key) else None
@@ -86,7 +90,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
             f"| {_fmt(s['best_accuracy'], '.4f')} | {_fmt(s['time_to_target_s'])} | {_fmt(s['wall_clock_s'])} "
             f"| {_fmt(s['seconds_per_round'], '.2f')} | {_fmt(s['rounds_per_hour'], '.0f')} "
             f"| {_fmt(s['local_steps_per_s'], '.1f')} | {s['bytes_up'] / 1e6:.2f} | {s['bytes_down'] / 1e6:.2f} "
-            f"| {_fmt(to_target, '.2f')}{'x' if to_target else ''} | {_fmt(per_round, '.2f')}{'x' if per_round else ''} |"
+            f"| {_times(to_target)} | {_times(per_round)} |"
         )
     return "\n".join(lines)
 

@@ -18,8 +18,8 @@ def train(msg: Message, context: Context) -> Message:
     import torch
 
     from ml.data import load_dataset
-    from ml.partition import partition_indices
     from ml.models import build_model
+    from ml.partition import partition_indices
     from ml.trainer import LocalTrainer, scheduled_lr
 
     torch.set_num_threads(1)

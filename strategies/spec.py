@@ -64,7 +64,7 @@ def _number(text: str) -> float | None:
 
 def label(name: str, value: float | None, *options: str) -> str:
     """The canonical text of a spec: ``dga:2``, ``topk:0.01``, ``dgc:0.999:momentum``."""
-    parts = [name] if value is None else [name, f"{int(value)}" if value.is_integer() else f"{value:g}"]
+    parts = [name] if value is None else [name, f"{int(value)}" if float(value).is_integer() else f"{value:g}"]
     return ":".join([*parts, *options])
 
 

@@ -20,6 +20,7 @@ from strategies.codecs import (
     server_compressor,
 )
 from strategies.codecs.powersgd import PowerSGD, PowerSGDMemory
+from strategies.spec import SpecError
 
 SMALL = (
     ("conv.weight", (8, 1, 3, 3)),
@@ -163,7 +164,7 @@ def test_parse_codec_accepts(spec: str, expected: CodecSpec) -> None:
     ],
 )
 def test_parse_codec_rejects_with_one_line(spec: str) -> None:
-    with pytest.raises(CodecError) as error:
+    with pytest.raises(SpecError) as error:
         parse_codec(spec)
     assert isinstance(error.value, ValueError)
     assert str(error.value) and "\n" not in str(error.value)

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contract.errors import EdgeflError
 from contract.settings import ConfigError, build_config, load_config, save_config
 
 
@@ -28,22 +29,22 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("clients = 0\n", "clients must be at least 1"),
-        ('strategy = "fedprox"\n', "unknown strategy"),
-        ('strategy = "dga"\n', "dga needs a delay"),
-        ('strategy = "dga:x"\n', "integer"),
+        ('strategy = "fedprox"\n', "unknown strategy 'fedprox'"),
+        ('strategy = "dga"\n', "strategy 'dga' needs a whole number of rounds D"),
+        ('strategy = "dga:x"\n', "needs a whole number of rounds D in 0..64"),
         ("lr = -1\n", "lr must be positive"),
         ("bogus = 1\n", "unknown setting 'bogus'"),
         ("clients = [\n", "not valid TOML"),
         ('clients = "four"\n', "clients must be a number"),
-        ('compress = "zip"\n', "zip"),
+        ('compress = "zip"\n', "unknown codec 'zip'"),
         ('lr_schedule = "step"\n', "unknown lr-schedule"),
-        ('compress_down = "zip"\n', "zip"),
+        ('compress_down = "zip"\n', "unknown codec 'zip'"),
     ],
 )
 def test_bad_settings_say_what_is_wrong_in_one_line(tmp_path: Path, text: str, message: str) -> None:
     file = tmp_path / "bad.toml"
     file.write_text(text)
-    with pytest.raises(ConfigError, match=message) as info:
+    with pytest.raises(EdgeflError, match=message) as info:
         build_config(file)
     assert "\n" not in str(info.value)
 

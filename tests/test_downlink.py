@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ml.data import load_dataset
-from ml.partition import partition_indices
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
+from ml.partition import partition_indices
 from ml.trainer import LocalTrainer
 from strategies.codecs import make_client_codec, parse_codec, server_compressor
 from strategies.codecs.base import dense_payload_size, layout_info

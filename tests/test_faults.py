@@ -39,13 +39,13 @@ from edgefl.launcher import (
     prepare_run_dir,
     supernode_argv,
 )
-from edgefl.processes import ProcessGroup
+from edgefl.processes import ProcessGroup, tail
+from fl_server.engine import model_digest
 from netem.profiles import LinkProfile
 from netem.testbed import Testbed
 from netem.tunlink import DelayLine, inject
 from strategies.codecs import make_client_codec, parse_codec
 from strategies.rounds import RoundEngine, Update
-from fl_server.engine import model_digest
 from tests.conftest import edgefl, processes_of, start_edgefl
 
 LAYOUT = (("w", (2,)),)
@@ -328,15 +328,20 @@ def test_a_loss_burst_and_a_stall_slow_their_client_not_the_run(run_dir: Path, c
 def test_a_run_trains_exactly_its_partitions_and_keeps_a_second_claim_as_a_spare(run_dir: Path) -> None:
     """Two more devices join a 2-partition run: one claims partition 1 again (it waits as a spare), one comes
     from a 3-partition split (its agent refuses the run, the server logs why). Only partitions 0 and 1 train."""
-    config = build_config(**FAST, clients=2, rounds=4, out=str(run_dir))
+    config = build_config(**FAST, clients=2, rounds=30, eval_examples=100, out=str(run_dir))
     extras = {"again": "partition-id=1 num-partitions=2", "odd": "partition-id=2 num-partitions=3"}
+    preload = {"again": ["--job", str(run_dir / ".job.json"), "--partition-id", "1", "--num-partitions", "2"]}
 
     def start_extras(address: str, procs: ProcessGroup) -> None:
+        """Both extras are connected before the run starts, so the server meets four nodes at once."""
         for name, node_config in extras.items():
             runtime = NodeRuntime.create(run_dir, name)
-            procs.start(f"agent-{name}", runtime.agent_argv())
+            procs.start(f"agent-{name}", runtime.agent_argv(*preload.get(name, [])))
             procs.wait_until(f"agent {name}", runtime.ready_file.exists, 90)
             procs.start(f"supernode-{name}", supernode_argv(address, None, node_config, serve=runtime))
+        for name in [*extras, "0", "1"]:
+            log = procs.log_dir / f"supernode-{name}.log"
+            procs.wait_until(f"SuperNode {name}", lambda log=log: "SuperNode ID:" in tail(log, 200), 90)
 
     with federation(config, start_extras) as (_, procs, run_dir):
         rows = _finish(config, procs, run_dir)
@@ -344,7 +349,7 @@ def test_a_run_trains_exactly_its_partitions_and_keeps_a_second_claim_as_a_spare
     server_log = (run_dir / "server.log").read_text()
     assert "also claims partition 1" in server_log and "waits as a spare" in server_log
     refusal = "this device is partition 2 of 3; the run 'run' trains partitions 0..1 of 2"
-    assert f"refused node" in server_log and refusal in server_log
+    assert "refused node" in server_log and refusal in server_log
     assert refusal in (run_dir / "logs" / "agent-odd.log").read_text()
 
 

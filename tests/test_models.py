@@ -43,7 +43,7 @@ def dataset(request: pytest.FixtureRequest) -> Dataset:
 
 def logits(model: torch.nn.Module, x: np.ndarray) -> torch.Tensor:
     with torch.no_grad():
-        return model.eval()(torch.from_numpy(x))
+        return model.eval()(torch.from_numpy(x[:]))
 
 
 def test_forward_gives_one_logit_per_class(dataset: Dataset) -> None:

