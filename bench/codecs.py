@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 from results import write_result
-from sim import SimConfig, SimResult, simulate
+from sim import SimResult, simulate
 
 from contract.settings import build_config
 from edgefl.launcher import run
@@ -76,9 +76,9 @@ def main() -> int:
     results: dict[str, SimResult] = {}
     for codec in codecs:
         started = time.monotonic()
-        config = SimConfig(
+        config = build_config(
             dataset=args.dataset, partition=args.partition, clients=args.clients, rounds=args.rounds,
-            local_steps=args.local_steps, lr=args.lr, seed=args.seed, codec=codec,
+            local_steps=args.local_steps, lr=args.lr, seed=args.seed, compress=codec,
         )  # fmt: skip
         results[codec] = result = simulate(config)
         print(f"{codec}: final {result.accuracy[-1]:.4f} ({time.monotonic() - started:.0f} s)", flush=True)

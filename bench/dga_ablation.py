@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 from results import print_row_done, write_result
-from sim import SimConfig, simulate
+from sim import simulate
 
-from contract.settings import LR_SCHEDULES
-from ml.trainer import scheduled_lr
+from contract.settings import LR_SCHEDULES, build_config
 
 
 def main() -> int:
@@ -45,18 +44,16 @@ def main() -> int:
     corrections = (True,) if args.with_correction_only else (False, True)
     configs = [(0, True)] + [(d, c) for d in map(int, args.delays.split(",")) for c in corrections]
 
-    def lr_at(round_: int) -> float:
-        return scheduled_lr(args.lr, args.lr_schedule, round_, args.rounds)
-
     figures = {}
     for delay, correction in configs:
         started = time.monotonic()
-        config = SimConfig(
-            dataset=args.dataset, partition=args.partition, clients=args.clients, rounds=args.rounds,
-            local_steps=args.local_steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-            seed=args.seed, delay=delay, correction=correction,
+        strategy = "fedavg" if delay == 0 else f"dga:{delay}" + ("" if correction else ":nocorrection")
+        config = build_config(
+            strategy=strategy, dataset=args.dataset, partition=args.partition, clients=args.clients,
+            rounds=args.rounds, local_steps=args.local_steps, batch_size=args.batch_size, lr=args.lr,
+            momentum=args.momentum, lr_schedule=args.lr_schedule, seed=args.seed,
         )  # fmt: skip
-        acc = simulate(config, lr_at).accuracy
+        acc = simulate(config).accuracy
         name = (
             "fedavg (D=0)" if delay == 0 else f"dga D={delay} " + ("with" if correction else "without") + " correction"
         )

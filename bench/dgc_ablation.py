@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 from results import print_row_done, write_result
-from sim import SimConfig, simulate
+from sim import simulate
 
+from contract.settings import build_config
 from strategies.codecs import CodecError
 
 ROWS = ("dense", "naive", "accumulate", "momentum", "warmup", "full")
@@ -78,13 +79,12 @@ def main() -> int:
     figures: dict[str, dict] = {}
     for name, codec, lr_warmup in rows(args.sparsity, args.warmup_steps, args.clip, keys):
         started = time.monotonic()
-        config = SimConfig(
+        config = build_config(
             dataset=args.dataset, partition=args.partition, clients=args.clients, rounds=args.steps, local_steps=1,
-            batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed, codec=codec,
-            eval_every=args.eval_every,
+            batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed, compress=codec,
         )  # fmt: skip
         try:
-            result = simulate(config, warmed_lr if lr_warmup else None)
+            result = simulate(config, warmed_lr if lr_warmup else None, args.eval_every)
         except CodecError as exc:  # the client's codec refuses a NaN/Inf update: training diverged
             lines.append(f"| {name} | {codec} | diverged ({exc}) | | | | |")
             figures[name] = {"codec": codec, "diverged": str(exc)}

@@ -91,12 +91,14 @@ class Session:
         self.replied_at = now
         return ready
 
-    def train_one_round(self, round_: int, start: np.ndarray) -> tuple[Update, np.ndarray]:
-        """K local steps from ``start``: the encoded update Δ = w_end − w_start, and Δ as the server will decode
-        it (what DGA's correction must subtract later)."""
+    def train_one_round(self, round_: int, start: np.ndarray, lr: float | None = None) -> tuple[Update, np.ndarray]:
+        """K local steps from ``start`` at ``lr`` (by default the job's schedule): the encoded update
+        Δ = w_end − w_start, and Δ as the server will decode it (what DGA's correction must subtract later)."""
         t0 = time.perf_counter()
         set_flat_params(self.model, start)
-        self.trainer.set_lr(scheduled_lr(self.job.lr, self.job.lr_schedule, round_, self.last_round))
+        if lr is None:
+            lr = scheduled_lr(self.job.lr, self.job.lr_schedule, round_, self.last_round)
+        self.trainer.set_lr(lr)
         loss = self.trainer.train_steps(self.job.local_steps)
         encoded = self.codec.encode(get_flat_params(self.model) - start, round_)
         update = Update(round_, encoded.stype, encoded.payload, self.num_examples, time.perf_counter() - t0, loss)

@@ -83,6 +83,7 @@ def _train(child: subprocess.Popen[str]) -> tuple[float, float]:
     return cpu_s, wall_s
 
 
+@pytest.mark.root
 @needs_cgroups
 def test_cap_slows_training_by_the_profile_factor() -> None:
     profile = DEVICE_PROFILES["rpi4"]
@@ -105,6 +106,7 @@ def test_cap_slows_training_by_the_profile_factor() -> None:
     assert capped_wall_s / uncapped_cpu_s >= (1 - TOLERANCE) / profile.cpu_fraction
 
 
+@pytest.mark.root
 @needs_cgroups
 def test_argv_prefix_starts_a_command_inside_the_cap() -> None:
     with CpuCap(device_profile("rpi3"), "prefix", tag=TAG) as cap:
@@ -114,6 +116,7 @@ def test_argv_prefix_starts_a_command_inside_the_cap() -> None:
         assert cap.path is not None and cap.path.is_dir()
 
 
+@pytest.mark.root
 @needs_cgroups
 def test_leaving_the_cap_moves_survivors_out_and_removes_it() -> None:
     with subprocess.Popen(["cat"], stdin=subprocess.PIPE) as survivor:  # lives until its stdin closes
@@ -126,6 +129,7 @@ def test_leaving_the_cap_moves_survivors_out_and_removes_it() -> None:
         survivor.stdin.close()
 
 
+@pytest.mark.root
 @needs_cgroups
 def test_without_root_a_cap_is_one_clear_line() -> None:
     os.seteuid(NOBODY_UID)

@@ -21,6 +21,8 @@ from edgefl.launcher import NodeRuntime, _flower_env, supernode_argv
 from edgefl.processes import ProcessGroup, free_port
 from fl_client.tasks import ACQUIRE
 
+pytestmark = pytest.mark.federation
+
 CLAIM = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
 
 

@@ -178,7 +178,11 @@ CLIENT = ["client", "--insecure", "--num-partitions", "2", "--dataset", "digits"
             "mnist needs --data-dir",
         ),
         (["client", "--server", "127.0.0.1:9", "--partition-id", "0", "--num-partitions", "2"], "--root-cert"),
-        (["run", *FAST, "--federation", "remote", "--server", "127.0.0.1:9", "--insecure"], "cannot reach"),
+        pytest.param(  # waits the 30 s a remote SuperLink may take to come up
+            ["run", *FAST, "--federation", "remote", "--server", "127.0.0.1:9", "--insecure"],
+            "cannot reach",
+            marks=pytest.mark.federation,
+        ),
         (["run", *FAST, "--federation", "remote", "--server", "127.0.0.1:9"], "--root-cert"),
         (["run", *FAST, "--server", "127.0.0.1:9"], "are for --federation remote"),
         (["server", "--listen", "127.0.0.1:9", "--insecure", "--auth-keys", "a.pub"], "needs TLS"),
@@ -191,6 +195,7 @@ def test_bad_input_is_one_clear_line(args: list[str], needle: str, tmp_path: Pat
     assert not processes_of(tmp_path / "out")
 
 
+@pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs the client as an unprivileged user: needs root to switch")
 def test_device_profile_without_cgroup_permission_fails_before_anything_starts(tmp_path: Path) -> None:
     out = tmp_path / "out"
