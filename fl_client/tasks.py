@@ -103,6 +103,9 @@ class TaskServer:
                 connected = False
                 stop.wait(RECONNECT_S)
                 continue
+            except httpx.HTTPStatusError as exc:  # e.g. a task whose SuperNode restarted meanwhile: it is gone
+                log.warning("the SuperNode refused a request (%s); going on with the next task", exc)
+                served = True
             if connected is not True:
                 log.info("serving the tasks of the SuperNode at %s", self.address)
                 connected = True
@@ -116,6 +119,7 @@ class TaskServer:
         if not (claim.HasField("task") and claim.token):
             return False
         claimed = time.monotonic()
+        log.info("claimed task %d", claim.task.task_id)
         client = RuntimeHttpClient.from_server_address(
             self.address, True, None,
             [RuntimeVersionHttpInterceptor(component_name=COMPONENT), RuntimeTokenHttpInterceptor(claim.token)],
@@ -160,6 +164,8 @@ def _heartbeat(client: RuntimeHttpClient, task_id: int) -> bool:
             log.warning("the SuperNode no longer holds task %d", task_id)
     except httpx.TransportError:
         return False
+    except httpx.HTTPStatusError as exc:
+        log.warning("the SuperNode refused the heartbeat of task %d (%s)", task_id, exc)
     return True
 
 

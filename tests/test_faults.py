@@ -239,12 +239,12 @@ def clean_testbed() -> Iterator[None]:
 
 
 def _testbed_config(run_dir: Path, **settings) -> RunConfig:
-    values = {**FAST, "strategy": "dga:1", "clients": 3, "quorum": 0.6, "round_deadline_s": 8.0}
-    return build_config(**values, profile="home-wifi", out=str(run_dir), **settings)
+    values = {**FAST, "strategy": "dga:1", "clients": 3, "quorum": 0.6, "round_deadline_s": 8.0, **settings}
+    return build_config(**values, profile="home-wifi", out=str(run_dir))
 
 
 def _restart(procs: ProcessGroup, killed: dict[str, object]) -> None:
-    """Start a killed client again as its device would (same partition, same namespace): agent, then SuperNode."""
+    """Start the killed processes again as their devices would (same partition, namespace and port)."""
     agent_argv = killed["agent"].args
     ready = Path(agent_argv[agent_argv.index("--ready-file") + 1])
     ready.unlink()
@@ -259,25 +259,36 @@ def _restart(procs: ProcessGroup, killed: dict[str, object]) -> None:
 @pytest.mark.federation
 @pytest.mark.root
 @needs_root
-def test_a_client_killed_mid_run_rejoins_under_a_new_node_id(run_dir: Path, clean_testbed: None) -> None:
-    config = _testbed_config(run_dir, rounds=14)
+def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, clean_testbed: None) -> None:
+    """kill -9 of client 3's agent while it holds a task (its SuperNode lives on: the task expires without
+    heartbeats, the server is told and sends the model again) and of client 2's SuperNode under a running agent
+    (it comes back under a new node id: a spare until Flower drops the dead node, then it trains again)."""
+    config = _testbed_config(run_dir, rounds=20, clients=4, quorum=0.5, round_deadline_s=5.0, local_steps=300)
     with federation(config) as (_, procs, run_dir):
         wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
+        agent_log = procs.log_dir / "agent-3.log"
+        deadline = time.monotonic() + 60
+        while (text := agent_log.read_text()).count("claimed task") <= text.count("served task"):
+            assert time.monotonic() < deadline, "agent 3 never held a task"  # it trains for about a second
+            time.sleep(0.01)
         named = dict(procs.procs)
-        killed = {"agent": named["agent-2"], "supernode": named["supernode-2"]}
+        killed = {"agent": named["agent-3"], "supernode": named["supernode-2"]}
         for proc in killed.values():
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         killed_after = len(_rows(run_dir))
-        # The run goes on without it: rounds close at their deadline with the quorum.
+        # The run goes on without them: rounds close at their deadline with the quorum.
         wait_for_rows(run_dir, lambda rows: any(r["closed_by"] == "deadline" for r in rows[killed_after:]), "quorum")
         restarted_after = len(_rows(run_dir))
         _restart(procs, killed)
         rows = _finish(config, procs, run_dir)
-    assert any(2 not in r["clients"] for r in rows[killed_after : restarted_after + 1])
-    assert any(2 in r["clients"] for r in rows[restarted_after + 1 :]), "the restarted client never contributed"
+    assert any({2, 3}.isdisjoint(r["clients"]) for r in rows[killed_after : restarted_after + 1])
+    for client in (2, 3):
+        assert any(client in r["clients"] for r in rows[restarted_after + 1 :]), f"client {client} never came back"
     assert all(len(r["clients"]) >= 2 and len(set(r["clients"])) == len(r["clients"]) for r in rows)
-    assert "joined" in (run_dir / "server.log").read_text()
+    server_log = (run_dir / "server.log").read_text()
+    assert "takes over partition 2" in server_log  # the restarted SuperNode, once the dead one was dropped
+    assert "node" in server_log and "client error" in json.dumps(rows)  # the expired task of the killed agent
 
 
 @pytest.mark.federation

@@ -4,6 +4,7 @@ agent beside each serving its SuperNode's tasks, the app submitted with ``flwr r
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import signal
@@ -66,6 +67,8 @@ def test_two_supernodes_three_rounds_on_digits(run_dir: Path) -> None:
         served = {t.message_id for t in _tasks(run_dir, client)}
         assert served == {m["message_id"] for m in messages if m["partition"] == client}
         assert (run_dir / "logs" / f"agent-{client}.log").read_text().count("new session") == 1
+    # And the global model is FedAvg's, as written independently below.
+    np.testing.assert_allclose(load_checkpoint(run_dir)[1], fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
 
 
 def _fedavg_written_here(rounds: int, steps: int, lr: float, momentum: float, seed: int) -> np.ndarray:
@@ -97,16 +100,17 @@ def _fedavg_written_here(rounds: int, steps: int, lr: float, momentum: float, se
     return global_params
 
 
-def test_the_deployments_fedavg_and_dga_with_zero_delay_are_fedavg(tmp_path: Path) -> None:
-    expected = _fedavg_written_here(rounds=3, steps=5, lr=0.05, momentum=0.9, seed=3)
-    for strategy in ("fedavg", "dga:0"):
-        out = tmp_path / strategy.replace(":", "-")
-        done = edgefl(
-            "run", *FAST, "--rounds", "3", "--strategy", strategy, "--eval-examples", "100", "--out", str(out)
-        )
-        assert done.returncode == 0, done.stderr
-        assert not processes_of(out)
-        np.testing.assert_allclose(load_checkpoint(out)[1], expected, rtol=1e-5, atol=1e-6)
+@functools.cache
+def fedavg_3_rounds() -> np.ndarray:
+    """The FAST settings' 3 rounds of FedAvg (lr 0.05, momentum 0.9, seed 3), written here."""
+    return _fedavg_written_here(rounds=3, steps=5, lr=0.05, momentum=0.9, seed=3)
+
+
+def test_dga_with_zero_delay_is_fedavg_in_the_deployment(run_dir: Path) -> None:
+    args = [*FAST, "--rounds", "3", "--strategy", "dga:0", "--eval-examples", "100"]
+    done = edgefl("run", *args, "--out", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_allclose(load_checkpoint(run_dir)[1], fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
 
 
 def _steps_lasting(seconds: float) -> int:
@@ -123,7 +127,7 @@ def _steps_lasting(seconds: float) -> int:
 def test_a_round_longer_than_flowers_task_heartbeat_timeout_completes(run_dir: Path) -> None:
     """Flower fails a task that sends no heartbeat for 60 s; the agent's task heartbeats keep a long one alive."""
     timeout_s = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL
-    steps = _steps_lasting(1.3 * timeout_s)
+    steps = _steps_lasting(1.15 * timeout_s)
     args = ["--dataset", "digits", "--partition", "iid", "--clients", "1", "--rounds", "1", "--local-steps", str(steps)]
     done = edgefl("run", *args, "--eval-examples", "100", "--out", str(run_dir))
     assert done.returncode == 0, done.stderr
