@@ -260,8 +260,7 @@ class ServerLoop:
     def _refresh_nodes(self) -> None:
         """Retire the admitted nodes that left (their messages in flight are dropped, never counted); new ones are
         asked who they are, and a spare takes over the partition of a node that left."""
-        left, _ = self.members.connected(set(self.grid.get_node_ids()))
-        for node in left:
+        for node in self.members.connected(set(self.grid.get_node_ids())):
             self.engine.retire(node)
             self.outstanding = {msg_id: m for msg_id, m in self.outstanding.items() if m.node != node}
 

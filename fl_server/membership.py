@@ -22,27 +22,26 @@ class Membership:
     asked: set[int] = field(default_factory=set)  # of those, the ones asked who they are
     refused: set[int] = field(default_factory=set)
 
-    def connected(self, nodes: set[int]) -> tuple[list[int], list[int]]:
-        """Take in the nodes connected now: returns (admitted nodes that left, spares promoted in their place)."""
+    def connected(self, nodes: set[int]) -> list[int]:
+        """Take in the nodes connected now (a spare takes over the partition of an admitted node that left);
+        returns the admitted nodes that left."""
         known = set(self.admitted) | set(self.spares) | self.unknown | self.refused
         for node in sorted(nodes - known):
             log.info("node %d joined; asking it which partition it trains", node)
             self.unknown.add(node)
         left = sorted(set(self.admitted) - nodes)
-        promoted = []
         for node in left:
             partition = self.admitted.pop(node)
             log.warning("node %d (partition %d) left; its messages in flight are abandoned", node, partition)
             if spare := next((s for s, p in sorted(self.spares.items()) if p == partition and s in nodes), None):
                 self.admitted[spare] = self.spares.pop(spare)
                 log.info("spare node %d takes over partition %d", spare, partition)
-                promoted.append(spare)
         for gone in (set(self.spares) | self.unknown | self.refused) - nodes:
             self.spares.pop(gone, None)
             self.unknown.discard(gone)
             self.asked.discard(gone)
             self.refused.discard(gone)
-        return left, promoted
+        return left
 
     def to_ask(self) -> list[int]:
         """Nodes to ask who they are (once each)."""
