@@ -1,2 +1,2 @@
-"""Flower glue on the client side: the thin ClientApp that relays each message to the edge agent, and the
-message layout both ends speak. Imports no torch: Flower starts this in a fresh process per message."""
+"""Flower glue on the device: the ClientApp, served inside the edge agent's long-lived process over the
+SuperNode's Runtime API (``--isolation process``), and the tuned SuperNode that starts no process per message."""

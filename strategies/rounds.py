@@ -8,10 +8,10 @@ Every message to a client carries the newest global model (when the client does 
 for the updates it has ready. A client may train round t once it holds the global model of round t − D − 1,
 so a message that brings the global model of round a lets it train up to round a + D + 1; its reply carries
 those rounds, or the first of them when the client answers early to train the rest during the round trip
-(``strategies.dga.reply_early``). One message per client is in flight: a second one queued behind it would
-reach the client before the reply it answers has been aggregated, bring nothing new, and cost a ClientApp
-process for an empty reply. For the same reason a client is sent nothing until the global model moves on,
-unless it has not yet given the update the oldest open round waits for.
+(``strategies.dga.reply_early``). One message per client is in flight (Flower's SuperNode takes one at a
+time): a second one queued behind it would reach the client before the reply it answers has been aggregated,
+bring nothing new and cost a message cycle for an empty reply. For the same reason a client is sent nothing
+until the global model moves on, unless it has not yet given the update the oldest open round waits for.
 
 A round closes when every client has contributed, or — stragglers — once ``quorum`` of the clients have and
 ``deadline_s`` has passed since it became the oldest open round. A contribution is accepted once: late
