@@ -6,10 +6,14 @@ update a client sends is −η·∇ and the server's mean is the data-parallel g
 Rows: dense momentum SGD; naive top-k without residual (dgc:S:naive); + local accumulation (the residual, with
 the clients' optimizer momentum); + momentum correction (the codec holds the momentum, clients run plain SGD);
 + warm-up (sparsity 75% → 93.75% → 98.4% → 99.6% → S over --warmup-steps, and the learning rate ramped linearly
-over the same steps); full DGC (+ momentum factor masking). --clip adds local gradient clipping to the DGC rows.
+over the same steps); full DGC (+ momentum factor masking); then two rows with global momentum (gm=MOMENTUM: the
+server applies the momentum to the mean update, the clients keep only their residual): DGC's sparsity schedule
+and STC at --stc-density (also without gm: the clients' own momentum SGD).
+--clip adds local gradient clipping to the DGC rows.
 The in-process simulation of bench/sim.py (IID Fashion-MNIST, 4 clients by default).
 
-    python bench/dgc_ablation.py [--steps 2000] [--sparsity 0.999] [--warmup-steps 200] [--lr 0.05] [--rows dense,full]
+    python bench/dgc_ablation.py [--steps 2000] [--sparsity 0.999] [--stc-density 0.01] [--warmup-steps 200]
+        [--lr 0.05] [--rows dense,full]
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from sim import simulate
 from contract.settings import build_config
 from strategies.codecs import CodecError
 
-ROWS = ("dense", "naive", "accumulate", "momentum", "warmup", "full")
+ROWS = ("dense", "naive", "accumulate", "momentum", "warmup", "full", "gm", "stc", "stc-gm")
 
 
-def rows(sparsity: float, warmup: int, clip: float | None, keys: list[str]) -> list[tuple[str, str, bool]]:
+def rows(args: argparse.Namespace, keys: list[str]) -> list[tuple[str, str, bool]]:
     """(name, uplink codec, learning-rate warm-up) of the ablation's rows named by keys (of ROWS)."""
-    extra = f":clip={clip}" if clip else ""
-    dgc = f"dgc:{sparsity}"
+    extra = f":clip={args.clip}" if args.clip else ""
+    dgc, warmup, momentum = f"dgc:{args.sparsity}", args.warmup_steps, args.momentum
     every = {
         "dense": ("dense momentum SGD", "none", False),
         "naive": ("naive top-k, no residual", f"{dgc}:naive{extra}", False),
@@ -40,6 +44,9 @@ def rows(sparsity: float, warmup: int, clip: float | None, keys: list[str]) -> l
         "momentum": ("+ momentum correction", f"{dgc}:momentum{extra}", False),
         "warmup": ("+ warm-up", f"{dgc}:warmup:warmup={warmup}{extra}", True),
         "full": ("full DGC (+ momentum masking)", f"{dgc}:full:warmup={warmup}{extra}", True),
+        "gm": ("DGC, global momentum", f"{dgc}:full:warmup={warmup}{extra}:gm={momentum}", True),
+        "stc": ("STC, local momentum", f"stc:{args.stc_density}", False),
+        "stc-gm": ("STC, global momentum", f"stc:{args.stc_density}:gm={momentum}", True),
     }
     return [every[key] for key in keys]
 
@@ -55,6 +62,7 @@ def main() -> int:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--sparsity", type=float, default=0.999)
     parser.add_argument("--warmup-steps", type=int, default=200, help="sparsity and learning-rate warm-up")
+    parser.add_argument("--stc-density", type=float, default=0.01, help="STC's density p (1 %%: ~350x)")
     parser.add_argument("--clip", type=float, help="DGC's local gradient clipping at this global norm")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"a comma-separated subset of {','.join(ROWS)}")
     parser.add_argument("--eval-every", type=int, default=100)
@@ -77,7 +85,7 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     figures: dict[str, dict] = {}
-    for name, codec, lr_warmup in rows(args.sparsity, args.warmup_steps, args.clip, keys):
+    for name, codec, lr_warmup in rows(args, keys):
         started = time.monotonic()
         config = build_config(
             dataset=args.dataset, partition=args.partition, clients=args.clients, rounds=args.steps, local_steps=1,

@@ -3,10 +3,26 @@ headline figures in OUT/result.json."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 from typing import Any
+
+
+def add_deployment_arguments(parser: argparse.ArgumentParser, profile: str, out: str) -> None:
+    """The settings of the slow-link deployment benchmarks: non-IID Fashion-MNIST, 4 clients, 30 rounds of 10
+    local steps, target accuracy 0.8, over the link profile ``profile``, results in ``out``."""
+    parser.add_argument("--profile", default=profile)
+    parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--partition", default="dirichlet:0.3")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--local-steps", type=int, default=10)
+    parser.add_argument("--lr-schedule", default="constant", help="constant or cosine (the same for every run)")
+    parser.add_argument("--target-accuracy", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(out))
 
 
 def print_row_done(name: str, accuracy: list[float], started: float) -> None:

@@ -3,8 +3,8 @@
 Before round t every client receives the global model of round t − D − 1, never a newer one (in a deployment
 the engine hands out the newest model it has, so the real staleness is at most D; D = 0 is FedAvg). Each client
 is the deployment's own ``edge.agent.Session`` (its partition, trainer, codec and DGA bookkeeping), trained
-round by round with its ``train_one_round``; the server's decode, ``WeightedMean`` and ``apply_update`` are the
-RoundEngine's. No Flower and no threads, so that only the algorithm differs.
+round by round with its ``train_one_round``; the server's decode, ``WeightedMean``, global momentum and
+``apply_update`` are the RoundEngine's. No Flower and no threads, so that only the algorithm differs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, set_flat_params
 from ml.trainer import evaluate
 from strategies.codecs import dense_payload_size, server_compressor
-from strategies.fedavg import WeightedMean, apply_update
+from strategies.fedavg import WeightedMean, apply_update, global_momentum
 
 
 @dataclass
@@ -50,6 +50,7 @@ def simulate(config: RunConfig, lr_at: Callable[[int], float] | None = None, eva
         client.dga.receive_global(0, history[0])
     delay, size = config.strategy_spec.delay, history[0].size
     result = SimResult(config.clients, dense_payload_size(size))
+    momentum = global_momentum(config.codec_spec, size)
     for r in range(1, config.rounds + 1):
         mean, sent_bytes = WeightedMean(size), 0
         for client in clients:
@@ -59,7 +60,7 @@ def simulate(config: RunConfig, lr_at: Callable[[int], float] | None = None, eva
             client.dga.record_sent(r, sent)
             mean.add(server_compressor(update.stype).decode(update.payload, client.layout), update.num_examples)
             sent_bytes += len(update.payload)
-        history[r] = apply_update(history[r - 1], mean.mean())
+        history[r] = apply_update(history[r - 1], momentum.step(mean.mean()) if momentum else mean.mean())
         history.pop(r - delay - 1, None)  # no client needs it any more
         result.bytes_up.append(sent_bytes)
         if r % eval_every == 0 or r == config.rounds:

@@ -139,15 +139,22 @@ class Checkpoint:
     params: np.ndarray  # the global model after ``round``
     wall_s: float  # the run's wall clock when the round closed
     recent_norms: np.ndarray  # the update-norm history of ``strategies.validation.NormOutlierFilter``
+    momentum: np.ndarray  # the server's global momentum (``strategies.fedavg.ServerMomentum``); empty: none
 
 
 def save_checkpoint(
-    run_dir: Path, round_: int, params: np.ndarray, wall_s: float = 0.0, recent_norms: Sequence[float] = ()
+    run_dir: Path,
+    round_: int,
+    params: np.ndarray,
+    wall_s: float = 0.0,
+    recent_norms: Sequence[float] = (),
+    momentum: np.ndarray | None = None,
 ) -> None:
     """Written to a temporary file and renamed, so a crash never leaves half a checkpoint."""
     tmp = run_dir / (CHECKPOINT + ".tmp.npz")
     norms = np.asarray(recent_norms, dtype=np.float64)
-    np.savez(tmp, round=np.int64(round_), params=params, wall_s=np.float64(wall_s), recent_norms=norms)
+    buffer = np.zeros(0, np.float32) if momentum is None else np.asarray(momentum, dtype=np.float32)
+    np.savez(tmp, round=np.int64(round_), params=params, wall_s=np.float64(wall_s), recent_norms=norms, momentum=buffer)
     os.replace(tmp, run_dir / CHECKPOINT)
 
 
@@ -157,7 +164,8 @@ def read_checkpoint(run_dir: Path) -> Checkpoint | None:
     if not path.exists():
         return None
     with np.load(path) as data:
-        return Checkpoint(int(data["round"]), data["params"], float(data["wall_s"]), data["recent_norms"])
+        momentum = data["momentum"] if "momentum" in data else np.zeros(0, np.float32)  # older checkpoints
+        return Checkpoint(int(data["round"]), data["params"], float(data["wall_s"]), data["recent_norms"], momentum)
 
 
 def load_checkpoint(run_dir: Path) -> tuple[int, np.ndarray]:
@@ -169,11 +177,14 @@ def load_checkpoint(run_dir: Path) -> tuple[int, np.ndarray]:
 
 
 def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run in one object; ``config`` is the resolved config as a dict."""
+    """The run in one object; ``config`` is the resolved config as a dict. ``time_to_target_s`` and
+    ``bytes_to_target`` (up + down, all clients) are measured through the first round whose accuracy reaches
+    ``target_accuracy``; None when no round does."""
     accuracies = [r["test_accuracy"] for r in rows]
     wall = rows[-1]["wall_s"] if rows else 0.0
     target = config.get("target_accuracy")
-    reached = [r["wall_s"] for r in rows if target is not None and r["test_accuracy"] >= target]
+    reached = [i for i, r in enumerate(rows) if target is not None and r["test_accuracy"] >= target]
+    first = reached[0] if reached else None
     steps = sum(len(r["clients"]) for r in rows) * config["local_steps"]
     return {
         "strategy": config["strategy"],
@@ -183,6 +194,7 @@ def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
         "rounds": len(rows),
         "local_steps": config["local_steps"],
         "compress": config["compress"],
+        "compress_down": config["compress_down"],
         "seed": config["seed"],
         "final_accuracy": accuracies[-1] if rows else None,
         "best_accuracy": max(accuracies) if rows else None,
@@ -194,7 +206,8 @@ def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
         "bytes_up": sum(r["bytes_up"] for r in rows),
         "bytes_down": sum(r["bytes_down"] for r in rows),
         "target_accuracy": target,
-        "time_to_target_s": reached[0] if reached else None,
+        "time_to_target_s": None if first is None else rows[first]["wall_s"],
+        "bytes_to_target": None if first is None else sum(r["bytes_up"] + r["bytes_down"] for r in rows[: first + 1]),
         "rejected_updates": sum(len(r["rejected"]) for r in rows),
         "link_profile": config["profile"],
         "link_backend": config["link_backend"],

@@ -188,6 +188,9 @@ def _check(config: RunConfig) -> RunConfig:
     if config.strategy_spec.name == "flower-fedavg" and (config.compress, config.compress_down) != ("none", "none"):
         raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress and "
                           "--compress-down")  # fmt: skip
+    if config.downlink_spec.global_momentum is not None:
+        raise ConfigError(f"gm=BETA is global momentum on the clients' updates: put it on --compress, not on "
+                          f"--compress-down {config.compress_down!r}")  # fmt: skip
     _check_federation(config)
     return config
 

@@ -51,11 +51,12 @@ class Session:
         self.model = build_model(data, job.seed)
         self.layout = param_layout(self.model)
         seed = job.seed * 1000 + partition_id
-        momentum = 0.0 if job.codec_spec.holds_momentum else job.momentum
+        momentum = 0.0 if job.codec_spec.plain_sgd else job.momentum
         self.trainer = LocalTrainer(self.model, data.x_train, data.y_train, job.batch_size, job.lr, momentum, seed)
         self.codec = make_client_codec(job.codec_spec, self.layout, seed=seed, num_clients=num_partitions)
         self.dga = DelayedAveragingClient(job.delay, job.correction)
         self.broadcast = BroadcastDecoder(self.layout)
+        self.broadcast.hold(0, get_flat_params(self.model))  # the seeded start model: see strategies.downlink
         self.last_round = job.rounds
         self.next_round = 1
         self.outbox: list[Update] = []

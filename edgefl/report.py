@@ -1,7 +1,8 @@
 """Reading finished runs back: the per-run plots, and ``edgefl report`` — one table and one plot across runs.
 
-Speedups are against the first run given, in two columns: to target (time-to-target ratio; — when either run
-missed the target) and per round (ratio of wall-clock seconds per round)."""
+Ratios are against the first run given: speedup to target (time-to-target ratio; — when either run missed the
+target), fewer bytes to target (ratio of the bytes up + down spent until the target was first reached) and
+speedup per round (ratio of wall-clock seconds per round)."""
 
 from __future__ import annotations
 
@@ -30,17 +31,37 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def label(summary: dict[str, Any]) -> str:
-    extra = "" if summary.get("compress", "none") == "none" else f" +{summary['compress']}"
-    return f"{summary['strategy']}{extra}"
+    """e.g. ``fedavg +stc:0.01`` (same codec both ways) or ``dga:2 +topk:0.01/int8`` (up/down)."""
+    up, down = summary.get("compress", "none"), summary.get("compress_down", "none")
+    codecs = up if up == down else f"{up}/{down}"
+    return summary["strategy"] if codecs == "none" else f"{summary['strategy']} +{codecs}"
+
+
+def cumulative_mb(rows: list[dict[str, Any]]) -> list[float]:
+    """Megabytes up + down spent by the end of each round."""
+    total, out = 0, []
+    for r in rows:
+        total += r["bytes_up"] + r["bytes_down"]
+        out.append(total / 1e6)
+    return out
+
+
+X_AXES = (
+    (lambda rows: [r["wall_s"] for r in rows], "wall-clock time (s)", "time"),
+    (lambda rows: [r["round"] for r in rows], "round", "rounds"),
+    (cumulative_mb, "MB on the wire, up + down (log)", "bytes"),
+)
 
 
 def plot_runs(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path, title: str) -> list[Path]:
-    """accuracy against wall-clock time and against rounds, one line per run; returns the PNG paths."""
+    """accuracy against wall-clock time, rounds and cumulative bytes, one line per run; returns the PNG paths."""
     paths = []
-    for x_key, x_label, suffix in (("wall_s", "wall-clock time (s)", "time"), ("round", "round", "rounds")):
+    for x_values, x_label, suffix in X_AXES:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for summary, rows in runs:
-            ax.plot([r[x_key] for r in rows], [r["test_accuracy"] for r in rows], marker=".", label=label(summary))
+            ax.plot(x_values(rows), [r["test_accuracy"] for r in rows], marker=".", label=label(summary))
+        if suffix == "bytes":
+            ax.set_xscale("log")
         target = runs[0][0].get("target_accuracy")
         if target:
             ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
@@ -80,17 +101,21 @@ def table(summaries: list[dict[str, Any]]) -> str:
     """A markdown table; the speedup columns are against the first run."""
     head = (
         "| strategy | link | rounds | final acc | best acc | time to target (s) | wall (s) | s/round "
-        "| rounds/h | local steps/s | MB up | MB down | speedup to target | speedup per round |"
+        "| rounds/h | local steps/s | MB up | MB down | MB to target | speedup to target | fewer bytes to target "
+        "| speedup per round |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 16]
     for s in summaries:
-        to_target, per_round = (ratio(summaries[0], s, key) for key in ("time_to_target_s", "seconds_per_round"))
+        to_target, bytes_to_target, per_round = (
+            ratio(summaries[0], s, key) for key in ("time_to_target_s", "bytes_to_target", "seconds_per_round")
+        )
+        mb_to_target = None if s.get("bytes_to_target") is None else s["bytes_to_target"] / 1e6
         lines.append(
             f"| {label(s)} | {s['link_profile']} | {s['rounds']} | {_fmt(s['final_accuracy'], '.4f')} "
             f"| {_fmt(s['best_accuracy'], '.4f')} | {_fmt(s['time_to_target_s'])} | {_fmt(s['wall_clock_s'])} "
             f"| {_fmt(s['seconds_per_round'], '.2f')} | {_fmt(s['rounds_per_hour'], '.0f')} "
             f"| {_fmt(s['local_steps_per_s'], '.1f')} | {s['bytes_up'] / 1e6:.2f} | {s['bytes_down'] / 1e6:.2f} "
-            f"| {_times(to_target)} | {_times(per_round)} |"
+            f"| {_fmt(mb_to_target, '.3f')} | {_times(to_target)} | {_times(bytes_to_target)} | {_times(per_round)} |"
         )
     return "\n".join(lines)
 

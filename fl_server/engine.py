@@ -13,14 +13,14 @@ restarted SuperNode gets a new node id: to the round engine it is a fresh client
 The first round starts once each of the run's partitions has a node.
 
 Resume: a run folder that holds a checkpoint continues from it (``edgefl run --resume``): global model, round,
-wall clock and the norm history of update validation; rows after the checkpoint's round are dropped. DGA's
-server state is just the round and the global model; the clients restart from that model, so the rounds they
-had trained or sent after the checkpoint are trained again — none is lost and none is applied twice."""
+wall clock, the norm history of update validation and the server's global momentum (``gm=BETA``); rows after
+the checkpoint's round are dropped. DGA's server state is just the round and the global model; the clients
+restart from that model, so the rounds they had trained or sent after the checkpoint are trained again — none is
+lost and none is applied twice."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -59,7 +59,8 @@ from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.onnx import export_onnx
 from ml.trainer import evaluate
-from strategies.downlink import BroadcastEncoder
+from strategies.downlink import BroadcastEncoder, model_digest
+from strategies.fedavg import global_momentum
 from strategies.rounds import ClosedRound, Rejection, Request, RoundEngine, Update
 from strategies.validation import NormOutlierFilter
 
@@ -68,6 +69,7 @@ log = logging.getLogger("edgefl.server")
 POLL_S = 0.02
 NODE_WAIT_S = 180.0
 NODE_REFRESH_S = 1.0
+MAX_FAILED_REPLIES = 5  # the run stops once every admitted node's last replies were errors or wholly refused
 EVALUATION_NICE = 19
 
 
@@ -78,11 +80,6 @@ def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> li
             raise TimeoutError(f"only {len(nodes)} of {count} SuperNodes connected within {timeout_s:.0f} s")
         time.sleep(0.1)
     return nodes[:count]
-
-
-def model_digest(params: np.ndarray) -> str:
-    """The first 16 hex digits of the sha256 of a model's float32 bytes."""
-    return hashlib.sha256(np.asarray(params, dtype=np.float32).tobytes()).hexdigest()[:16]
 
 
 def evaluation_sample(x: np.ndarray, y: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,7 +127,7 @@ class Evaluator:
         loss, accuracy = evaluate(self.model, self.x, self.y)
         row = {**row, "test_loss": loss, "test_accuracy": accuracy}
         self.folder.append(ROUNDS, row)
-        save_checkpoint(self.folder.path, c.round, c.params, c.wall_s, c.recent_norms)
+        save_checkpoint(self.folder.path, c.round, c.params, c.wall_s, c.recent_norms, c.momentum)
         log.info("round %d  accuracy %.4f  loss %.4f  wall %.1f s", row["round"], accuracy, loss, row["wall_s"])
 
     def close(self) -> None:
@@ -183,7 +180,7 @@ class ServerLoop:
         self.job = config.client_job().to_json()
         self.evaluator = Evaluator(config, folder)
         model = self.evaluator.model
-        start = read_checkpoint(folder.path) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0))
+        start = read_checkpoint(folder.path) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0), np.zeros(0))
         truncate_rounds(folder.path, start.round)
         self.validator = NormOutlierFilter(norms=start.recent_norms)
         self.engine = RoundEngine(
@@ -197,6 +194,8 @@ class ServerLoop:
             start_round=start.round,
             aggregator=make_aggregator(config.aggregate_spec),
             validator=self.validator,
+            clients_build_start=start.round == 0,  # a client's Session builds the seeded start model itself
+            momentum=global_momentum(config.codec_spec, start.params.size, start.momentum),
         )
         self.wall_offset_s = start.wall_s
         self.broadcaster = BroadcastEncoder(  # --compress-down: clients are sent x̂, see strategies.downlink
@@ -207,6 +206,7 @@ class ServerLoop:
         self.members = Membership()
         self.partition_of: dict[int, int] = {}
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
+        self.failures: dict[int, int] = {}  # node → replies in a row that were errors or had every update refused
         self.t0 = 0.0
 
     def run(self) -> None:
@@ -332,6 +332,7 @@ class ServerLoop:
             self.engine.fail(node)
             self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reply.error.reason}"))
             log.warning("node %d replied with an error: %s", node, reply.error.reason)
+            self._count_failure(node, reply.error.reason)
             return ()
         try:
             parsed = parse_reply(reply.content)
@@ -342,16 +343,33 @@ class ServerLoop:
         self.partition_of[node] = parsed.partition_id
         self.health[parsed.partition_id] = parsed.health
         self.transport[parsed.partition_id] = parsed.transport
-        for rejection in self.engine.receive(node, list(parsed.updates), parsed.partition_id):
+        rejections = self.engine.receive(node, list(parsed.updates), parsed.partition_id)
+        for rejection in rejections:
             log.warning("refused round %d from node %d: %s", rejection.round, node, rejection.reason)
             self.traffic.rejected.append(rejection)
+        invalid = [r for r in rejections if r.invalid]
+        if parsed.updates and len(invalid) == len(parsed.updates):
+            self._count_failure(node, f"refused: {invalid[-1].reason}")
+        elif parsed.updates:
+            self.failures.pop(node, None)
         return parsed.updates
+
+    def _count_failure(self, node: int, reason: str) -> None:
+        """Stop the run when no admitted node can contribute any more (e.g. training diverged: NaN, or updates
+        refused as outliers, everywhere): resending the global model would repeat the same failure forever."""
+        self.failures[node] = self.failures.get(node, 0) + 1
+        if all(self.failures.get(n, 0) >= MAX_FAILED_REPLIES for n in self.members.admitted):
+            raise RuntimeError(
+                f"every client's last {MAX_FAILED_REPLIES} replies failed or were refused, the last from node "
+                f"{node}: {reason}"
+            )
 
     def _close_rounds(self) -> None:
         now = time.monotonic()
         for closed in self.engine.close_rounds(now):
             wall_s = now - self.t0
-            checkpoint = Checkpoint(closed.round, closed.global_params, wall_s, np.array(self.validator.norms))
+            norms = np.array(self.validator.norms)
+            checkpoint = Checkpoint(closed.round, closed.global_params, wall_s, norms, closed.momentum)
             self.evaluator.submit(self._row(closed, wall_s), checkpoint)
 
     def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from contract.errors import EdgeflError
@@ -101,6 +101,14 @@ def _symmetric(name: str, profile: LinkProfile, source: str) -> Link:
     return Link(name, profile, profile, source)
 
 
+_RURAL_LTE_UP = LinkProfile(delay_ms=50.0, jitter_ms=5.0, loss_pct=0.5, rate_mbit=1.0)
+_RURAL_LTE_DOWN = LinkProfile(delay_ms=50.0, jitter_ms=5.0, loss_pct=0.5, rate_mbit=4.0)
+_RURAL_LTE_SOURCE = (
+    "Rural LTE/3G at the cell edge as regulators' mobile drive tests report it (e.g. Ofcom's Connected Nations "
+    "rural figures): a few Mbit/s down, ~1 Mbit/s up, ~100 ms round trip, some loss; 1 up, 4 down, 50±5 ms "
+    "each way, 0.5% loss, so that bandwidth binds"
+)
+
 BUILTIN_LINKS: dict[str, Link] = {
     link.name: link
     for link in (
@@ -133,6 +141,21 @@ BUILTIN_LINKS: dict[str, Link] = {
             LinkProfile(delay_ms=300.0, jitter_ms=25.0, loss_pct=2.0, rate_mbit=5.0),
             "Published FL testbed satellite profile: 600±50 ms, 5 Mbit/s, 2% loss on one shaped end; "
             "delay and jitter halved per direction because both directions are shaped",
+        ),
+        Link("rural-lte", up=_RURAL_LTE_UP, down=_RURAL_LTE_DOWN, source=_RURAL_LTE_SOURCE),
+        Link(
+            "iot-uplink",
+            up=LinkProfile(delay_ms=100.0, jitter_ms=10.0, loss_pct=1.0, rate_mbit=0.25),
+            down=LinkProfile(delay_ms=100.0, jitter_ms=10.0, loss_pct=1.0, rate_mbit=1.0),
+            source="LTE-M (3GPP Rel-13 Cat-M1): 1 Mbit/s peak each way, a few hundred kbit/s up in practice and "
+            "100-200 ms latency: 0.25 Mbit/s up, 1 Mbit/s down, ~200 ms round trip, 1% loss",
+        ),
+        Link(
+            "rural-lte-long",
+            up=replace(_RURAL_LTE_UP, delay_ms=150.0),
+            down=replace(_RURAL_LTE_DOWN, delay_ms=150.0),
+            source="rural-lte's rates, jitter and loss with long-distance's 150 ms each way: a rural Pi "
+            "talking to a server on another continent (~300 ms round trip)",
         ),
     )
 }

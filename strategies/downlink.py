@@ -13,10 +13,16 @@ they received); the server keeps and evaluates its exact w.
 A client known to hold x̂_b gets the chain δ_{..a} of the deltas after b; a client with nothing (its first
 message, a fresh or rejoined client) or one whose chain is no longer kept or would be larger than the model
 gets x̂_a dense. With the lossless codec `none`, x̂ equals w bit for bit.
+
+A client may build x̂ of the start round itself (round 0: the model initialised from the run's seed): then
+the server's first broadcast to it has no parts and costs no model bytes. Every broadcast names the sha256 of
+the x̂ it yields, which the client checks, so a client whose own x̂ differs (another torch build initialising
+differently) refuses it and is sent x̂ dense instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
@@ -37,6 +43,11 @@ class DownlinkError(ValueError):
     """A broadcast that cannot be applied; str() is one human-readable line."""
 
 
+def model_digest(params: np.ndarray) -> str:
+    """The first 16 hex digits of the sha256 of a model's float32 bytes."""
+    return hashlib.sha256(np.asarray(params, dtype=np.float32).tobytes()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class Part:
     """One encoded step of a broadcast: applying it yields the reference x̂ of `round`."""
@@ -48,16 +59,18 @@ class Part:
 
 @dataclass(frozen=True)
 class Broadcast:
-    """The global model as one message carries it: parts applied in order to x̂ of `base_round`, or, with
-    base_round = NO_BASE, a single dense part that is x̂ itself."""
+    """The global model as one message carries it: parts applied in order to x̂ of `base_round` (none when the
+    client holds the newest x̂ already), or, with base_round = NO_BASE, a single dense part that is x̂ itself.
+    `sha256` is `model_digest` of the x̂ the client holds afterwards ("": not checked)."""
 
     base_round: int
     parts: tuple[Part, ...]
+    sha256: str = ""
 
     @property
     def round(self) -> int:
         """The round of the reference the client holds once it has applied every part."""
-        return self.parts[-1].round
+        return self.parts[-1].round if self.parts else self.base_round
 
     def header(self) -> dict[str, Any]:
         """The metadata of the parts (their payloads concatenated are `blob()`)."""
@@ -66,6 +79,7 @@ class Broadcast:
             "rounds": [p.round for p in self.parts],
             "stypes": [p.stype for p in self.parts],
             "sizes": [len(p.payload) for p in self.parts],
+            "sha256": self.sha256,
         }
 
     def blob(self) -> bytes:
@@ -77,9 +91,10 @@ class Broadcast:
         try:
             base = int(header["base-round"])
             columns = [list(header[key]) for key in ("rounds", "stypes", "sizes")]
+            sha256 = str(header["sha256"])
         except (KeyError, TypeError, ValueError) as exc:
             raise DownlinkError(f"broadcast metadata is incomplete or not numeric: {exc}") from None
-        if len({len(c) for c in columns}) != 1 or not columns[0]:
+        if len({len(c) for c in columns}) != 1 or (base == NO_BASE and not columns[0]):
             raise DownlinkError("broadcast metadata columns are empty or differ in length")
         rounds, stypes, sizes = [int(r) for r in columns[0]], [str(s) for s in columns[1]], [int(z) for z in columns[2]]
         if any(size < 0 for size in sizes) or sum(sizes) != len(blob):
@@ -89,9 +104,9 @@ class Broadcast:
         if base == NO_BASE and (len(rounds) != 1 or stypes[0] != DENSE_STYPE):
             raise DownlinkError(f"a broadcast without a base must be one {DENSE_STYPE} part")
         ends = list(accumulate(sizes))
-        starts = [0, *ends[:-1]]
+        starts = [0, *ends][: len(ends)]
         parts = tuple(Part(r, s, blob[a:b]) for r, s, a, b in zip(rounds, stypes, starts, ends, strict=True))
-        return cls(base, parts)
+        return cls(base, parts, sha256)
 
 
 def apply_part(reference: np.ndarray, part: Part, layout: Layout) -> np.ndarray:
@@ -122,6 +137,7 @@ class BroadcastEncoder:
         self.dense_size = dense_payload_size(layout_info(layout).size)
         self.reference = np.asarray(initial_params, dtype=np.float32).copy()
         self.round = start_round
+        self.digest = model_digest(self.reference)
         self._chain_base = start_round
         self._chain: list[Part] = []
 
@@ -132,10 +148,12 @@ class BroadcastEncoder:
             raise ValueError(f"round {round_} is older than the broadcast reference's round {self.round}")
         if round_ > self.round:
             self._advance(round_, global_params)
+        if held_round == self.round:
+            return Broadcast(held_round, (), self.digest)
         chain = self._chain_after(held_round)
         if chain and sum(len(p.payload) for p in chain) <= self.dense_size:
-            return Broadcast(held_round, tuple(chain))
-        return Broadcast(NO_BASE, (Part(self.round, DENSE_STYPE, dense_payload(self.reference)),))
+            return Broadcast(held_round, tuple(chain), self.digest)
+        return Broadcast(NO_BASE, (Part(self.round, DENSE_STYPE, dense_payload(self.reference)),), self.digest)
 
     def _advance(self, round_: int, global_params: np.ndarray) -> None:
         v = reference_delta(np.asarray(global_params, dtype=np.float32), self.reference)
@@ -143,6 +161,7 @@ class BroadcastEncoder:
         part = Part(round_, stype, payload)
         self.reference = apply_part(self.reference, part, self.layout)
         self.round = round_
+        self.digest = model_digest(self.reference)
         self._chain.append(part)
         while sum(len(p.payload) for p in self._chain) > self.dense_size:
             self._chain_base = self._chain.pop(0).round
@@ -163,6 +182,10 @@ class BroadcastDecoder:
         self.round = NO_BASE
         self.reference: np.ndarray | None = None
 
+    def hold(self, round_: int, reference: np.ndarray) -> None:
+        """Take x̂ of `round_` as built here (the seeded start model), without a broadcast."""
+        self.reference, self.round = np.asarray(reference, dtype=np.float32).copy(), round_
+
     def receive(self, broadcast: Broadcast) -> np.ndarray:
         """Apply a broadcast and return the new x̂ (a copy); raises DownlinkError when it does not continue
         from the x̂ held here or a part does not decode for this model."""
@@ -180,5 +203,10 @@ class BroadcastDecoder:
                     reference = apply_part(reference, part, self.layout)
         except CodecError as exc:
             raise DownlinkError(f"broadcast of round {broadcast.round}: {exc}") from None
+        if broadcast.sha256 and model_digest(reference) != broadcast.sha256:
+            raise DownlinkError(
+                f"the global model of round {broadcast.round} here has sha256 {model_digest(reference)}, the "
+                f"server's {broadcast.sha256} (a start model built differently?): it is sent whole next"
+            )
         self.reference, self.round = reference, broadcast.round
         return reference.copy()

@@ -19,12 +19,14 @@ A round closes when every client has contributed, or — stragglers — once ``q
 reason, and so is a payload that does not decode or fails validation (``strategies.validation``).
 
 Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
-a new node is a fresh client, sent the newest global model first. Updates are accepted at most once per
-(partition, round), so a device that comes back under a new node id cannot contribute a round twice, and a
-reply is whole or refused, so no aggregate holds part of an update.
+a new node is a fresh client, sent the newest global model first (as deltas from the start model when
+``clients_build_start``: every client builds the round-0 model from the run's seed itself). Updates are
+accepted at most once per (partition, round), so a device that comes back under a new node id cannot
+contribute a round twice, and a reply is whole or refused, so no aggregate holds part of an update.
 
 Aggregation is the streaming example-weighted mean unless an ``Aggregator`` (a robust rule, see
-``fl_server.robust``) is given; then the round's decoded updates are kept until it closes."""
+``fl_server.robust``) is given; then the round's decoded updates are kept until it closes. With a
+``ServerMomentum`` (the codecs' ``gm=BETA``) a closed round moves the global model by the momentum mᵗ, not Δ̄ᵗ."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strategies.codecs import Layout, MalformedUpdate, server_compressor
-from strategies.fedavg import WeightedMean, apply_update
+from strategies.fedavg import ServerMomentum, WeightedMean, apply_update
 from strategies.validation import NormOutlierFilter
 
 Aggregator = Callable[[list[tuple[np.ndarray, int]]], np.ndarray]
@@ -68,9 +70,13 @@ class Request:
 
 @dataclass(frozen=True)
 class Rejection:
+    """An update refused, and why; ``invalid``: the update itself is unusable (malformed, an outlier, ...), not
+    merely late or repeated."""
+
     client: int
     round: int
     reason: str
+    invalid: bool = True
 
 
 @dataclass
@@ -81,6 +87,7 @@ class ClosedRound:
     train_s: list[float]
     losses: list[float]
     closed_by: str  # "all" or "deadline"
+    momentum: np.ndarray  # the server's momentum mᵗ after this round (empty without global momentum)
 
 
 @dataclass
@@ -114,6 +121,8 @@ class RoundEngine:
         start_round: int = 0,
         aggregator: Aggregator | None = None,
         validator: NormOutlierFilter | None = None,
+        clients_build_start: bool = False,
+        momentum: ServerMomentum | None = None,
     ) -> None:
         if not 0 < quorum <= 1:
             raise ValueError(f"quorum must be in (0, 1], got {quorum}")
@@ -127,6 +136,8 @@ class RoundEngine:
         self.aggregated = start_round
         self.aggregator = aggregator
         self.validator = validator
+        self._start_held = start_round if clients_build_start else -1
+        self.momentum = momentum
         self._clients: dict[int, _Client] = {}
         self._contributed: dict[int, set[int]] = {}  # partition → rounds it sent an update for
         self._open: dict[int, _OpenRound] = {}
@@ -155,7 +166,7 @@ class RoundEngine:
         c.in_flight = True
         if not new_global:
             return Request(next_round, frontier, None, None)
-        held_round = -1 if c.resend_global else c.delivered
+        held_round = -1 if c.resend_global else max(c.delivered, self._start_held)
         c.delivered = self.aggregated
         c.resend_global = False
         return Request(next_round, frontier, self.aggregated, self.global_params, held_round)
@@ -168,9 +179,8 @@ class RoundEngine:
         source = client if partition is None else partition
         rejections = []
         for item in updates:
-            reason = self._admit(source, c, item)
-            if reason:
-                rejections.append(Rejection(source, item.round, reason))
+            if rejection := self._admit(source, c, item):
+                rejections.append(rejection)
         return rejections
 
     def fail(self, client: int) -> None:
@@ -183,25 +193,25 @@ class RoundEngine:
         """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""
         self._clients.pop(client, None)
 
-    def _admit(self, source: int, c: _Client, item: Update) -> str | None:
+    def _admit(self, source: int, c: _Client, item: Update) -> Rejection | None:
         contributed = self._contributed.setdefault(source, set())
         if item.round in contributed:
-            return "repeated: this client already sent an update for that round"
+            return Rejection(source, item.round, "repeated: this client already sent an update for that round", False)
         if item.round <= self.aggregated:
             contributed.add(item.round)
             c.received = max(c.received, item.round)
             c.behind = True
-            return "late: the round was already closed"
+            return Rejection(source, item.round, "late: the round was already closed", False)
         if item.round > min(self.rounds, c.delivered + self.delay + 1):
-            return "unrequested: the client could not have trained that round yet"
+            return Rejection(source, item.round, "unrequested: the client could not have trained that round yet")
         if item.num_examples <= 0:
-            return "num_examples must be positive"
+            return Rejection(source, item.round, "num_examples must be positive")
         try:  # decoded once, for validation and aggregation alike
             update = server_compressor(item.stype).decode(item.payload, self.layout)
         except MalformedUpdate as exc:
-            return f"malformed: {exc}"
+            return Rejection(source, item.round, f"malformed: {exc}")
         if self.validator and (reason := self.validator.check(update)):
-            return reason
+            return Rejection(source, item.round, reason)
         open_round = self._open.get(item.round) or _OpenRound(WeightedMean(self.global_params.size))
         if self.aggregator:
             open_round.updates.append((update, item.num_examples))
@@ -231,11 +241,19 @@ class RoundEngine:
                 break
             del self._open[round_]
             mean = self.aggregator(open_round.updates) if self.aggregator else open_round.mean.mean()
-            self.global_params = apply_update(self.global_params, mean)
+            self.global_params = apply_update(self.global_params, self.momentum.step(mean) if self.momentum else mean)
             self.aggregated = round_
             self._oldest_open_since = now
             closed.append(
-                ClosedRound(round_, self.global_params, open_round.clients, open_round.train_s, open_round.losses, how)
+                ClosedRound(
+                    round_,
+                    self.global_params,
+                    open_round.clients,
+                    open_round.train_s,
+                    open_round.losses,
+                    how,
+                    self.momentum.buffer.copy() if self.momentum else np.zeros(0, np.float32),
+                )
             )
         return closed
 

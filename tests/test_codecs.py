@@ -52,6 +52,7 @@ WIDE = (
 SPECS = [
     "none",
     "topk:0.05",
+    "stc:0.05",
     "dgc:0.9",
     "powersgd:2",
     "onebit",
@@ -128,10 +129,14 @@ def fp16_bound(v: np.ndarray) -> np.ndarray:
         ("threshold:0.001", CodecSpec("threshold", 0.001)),
         ("int8", CodecSpec("int8")),
         ("qsgd:16", CodecSpec("qsgd", 16.0)),
+        ("stc:0.01", CodecSpec("stc", 0.01)),
+        ("topk:0.01:gm=0.9", CodecSpec("topk", 0.01, global_momentum=0.9)),
+        ("dgc:0.999:gm=0.5:warmup=8", CodecSpec("dgc", 0.999, warmup_rounds=8, global_momentum=0.5)),
     ],
 )
 def test_parse_codec_accepts(spec: str, expected: CodecSpec) -> None:
     assert parse_codec(spec) == expected
+    assert parse_codec(expected.label) == expected
 
 
 @pytest.mark.parametrize(
@@ -161,6 +166,11 @@ def test_parse_codec_accepts(spec: str, expected: CodecSpec) -> None:
         "qsgd:0",
         "qsgd:40000",
         "qsgd:nan",
+        "stc:1",
+        "stc:0.01:3",
+        "int8:gm=0.9",
+        "topk:0.01:gm=1",
+        "topk:0.01:gm=0.5:gm=0.6",
     ],
 )
 def test_parse_codec_rejects_with_one_line(spec: str) -> None:
@@ -345,6 +355,7 @@ def test_stochastic_rounding_is_within_one_level(spec: str, levels: int, norm: s
     ("spec", "residual_name"),
     [
         ("topk:0.05", "residual"),
+        ("stc:0.05", "residual"),
         ("threshold:0.5", "residual"),
         ("onebit", "residual"),
         ("powersgd:2", "residual"),
@@ -443,6 +454,10 @@ def expected_size(spec: str, layout, u: np.ndarray, payload: bytes) -> int:
         return 5 + 4 * size
     if name == "topk":
         return 13 + max(1, round(float(value) * size)) * (index_bytes + 2)
+    if name == "stc":
+        k, bits = max(1, round(float(value) * size)), struct.unpack_from("<B", payload, 13)[0]
+        gaps = np.diff(np.sort(np.argsort(-np.abs(u))[:k]), prepend=-1) - 1
+        return 14 + math.ceil(int(np.sum(gaps // 2**bits + 1 + bits)) / 8) + math.ceil(k / 8)
     if name == "threshold":
         sent = int(np.sum(np.abs(u) >= np.float32(value)))
         return 13 + sent * index_bytes + math.ceil(sent / 8)
@@ -468,7 +483,8 @@ def expected_size(spec: str, layout, u: np.ndarray, payload: bytes) -> int:
 
 @pytest.mark.parametrize(
     ("spec", "layout"),
-    [(spec, SMALL) for spec in SPECS] + [("qsgd:1000", SMALL), ("topk:0.001", WIDE), ("dgc:0.999", WIDE)],
+    [(spec, SMALL) for spec in SPECS]
+    + [("qsgd:1000", SMALL), ("topk:0.001", WIDE), ("stc:0.0025", WIDE), ("dgc:0.999", WIDE)],
 )
 def test_payload_size_matches_formula(spec: str, layout) -> None:
     stype, payload, u = encode_once(spec, layout)

@@ -39,6 +39,8 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ('compress = "zip"\n', "unknown codec 'zip'"),
         ('lr_schedule = "step"\n', "unknown lr-schedule"),
         ('compress_down = "zip"\n', "unknown codec 'zip'"),
+        ('compress_down = "stc:0.01:gm=0.9"\n', "put it on --compress, not on --compress-down"),
+        ('compress = "int8:gm=0.9"\n', "option of the sparse codecs topk, stc, dgc only"),
     ],
 )
 def test_bad_settings_say_what_is_wrong_in_one_line(tmp_path: Path, text: str, message: str) -> None:

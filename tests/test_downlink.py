@@ -80,7 +80,7 @@ def test_reference_delta_lands_exactly_on_any_target_the_server_can_reach() -> N
     np.testing.assert_array_equal(reference + reference_delta(target, reference), target)
 
 
-@pytest.mark.parametrize("codec", ["topk:0.01", "int8"])
+@pytest.mark.parametrize("codec", ["topk:0.01", "stc:0.01", "int8"])
 def test_every_client_holds_the_servers_reference_bit_for_bit(codec: str) -> None:
     """Clients that hear every round, every third round, or join late all end with the server's x̂."""
     models = global_models(12)
@@ -139,6 +139,36 @@ def test_a_chain_from_another_round_is_refused() -> None:
     corrupt = Broadcast(1, (Part(2, "edgefl.int8.v1", b"\x01\x02"),))
     with pytest.raises(DownlinkError, match=r"broadcast of round 2: .*truncated"):
         client.receive(corrupt)
+
+
+def test_a_client_that_builds_the_start_model_is_sent_no_model_bytes_and_a_different_one_is_caught() -> None:
+    models = global_models(2)
+    encoder = BroadcastEncoder(parse_codec("topk:0.01"), models[0], LAYOUT)
+    same, other = BroadcastDecoder(LAYOUT), BroadcastDecoder(LAYOUT)
+    same.hold(0, models[0])
+    other.hold(0, models[0] + np.float32(1e-3))  # e.g. another torch build initialising differently
+    first = encoder.broadcast(0, models[0], 0)
+    assert first.parts == () and first.blob() == b"" and first.round == 0
+    np.testing.assert_array_equal(same.receive(Broadcast.parse(first.header(), first.blob())), models[0])
+    with pytest.raises(DownlinkError, match=r"round 0 here has sha256 .* sent whole next"):
+        other.receive(first)
+    delta = encoder.broadcast(1, models[1], 0)
+    assert delta.base_round == 0 and len(delta.blob()) < dense_payload_size(SIZE) / 50
+    np.testing.assert_array_equal(same.receive(delta), encoder.reference)
+    whole = encoder.broadcast(1, models[1], NO_BASE)  # what the server sends after the refusal
+    np.testing.assert_array_equal(other.receive(whole), encoder.reference)
+
+
+def test_the_engine_assumes_new_clients_hold_the_start_model_only_when_they_can_build_it() -> None:
+    w0 = np.zeros(SIZE, dtype=np.float32)
+    built = RoundEngine(w0, LAYOUT, rounds=3, num_clients=1, clients_build_start=True).next_request(0)
+    sent = RoundEngine(w0, LAYOUT, rounds=3, num_clients=1).next_request(0)
+    assert (built.global_round, built.held_round) == (0, 0)
+    assert (sent.global_round, sent.held_round) == (0, NO_BASE)
+    engine = RoundEngine(w0, LAYOUT, rounds=3, num_clients=1, clients_build_start=True)
+    engine.next_request(0)
+    engine.fail(0)  # it refused the broadcast (another start model): the model is sent whole
+    assert engine.next_request(0).held_round == NO_BASE
 
 
 # --- through the round engine -----------------------------------------------------------------------------

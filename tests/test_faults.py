@@ -40,11 +40,11 @@ from edgefl.launcher import (
     supernode_argv,
 )
 from edgefl.processes import ProcessGroup, tail
-from fl_server.engine import model_digest
 from netem.profiles import LinkProfile
 from netem.testbed import Testbed
 from netem.tunlink import DelayLine, inject
 from strategies.codecs import make_client_codec, parse_codec
+from strategies.downlink import model_digest
 from strategies.rounds import RoundEngine, Update
 from tests.conftest import edgefl, processes_of, start_edgefl
 
@@ -111,11 +111,12 @@ def test_a_failed_message_sends_the_global_model_again() -> None:
 def test_checkpoint_holds_what_resume_needs(tmp_path: Path) -> None:
     assert read_checkpoint(tmp_path) is None
     params = np.arange(6, dtype=np.float32)
-    save_checkpoint(tmp_path, 4, params, wall_s=12.5, recent_norms=[0.5, 0.25])
+    save_checkpoint(tmp_path, 4, params, wall_s=12.5, recent_norms=[0.5, 0.25], momentum=params / 2)
     checkpoint = read_checkpoint(tmp_path)
     assert checkpoint.round == 4 and checkpoint.wall_s == 12.5
     np.testing.assert_array_equal(checkpoint.params, params)
     np.testing.assert_array_equal(checkpoint.recent_norms, [0.5, 0.25])
+    np.testing.assert_array_equal(checkpoint.momentum, params / 2)
     round_, model = load_checkpoint(tmp_path)
     assert round_ == 4 and np.array_equal(model, params)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.npz"]  # no temporary file left
@@ -407,6 +408,17 @@ def test_a_server_killed_mid_run_resumes_from_its_checkpoint(run_dir: Path) -> N
     assert rows[checkpoint.round]["wall_s"] > rows[checkpoint.round - 1]["wall_s"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == rounds and summary["final_accuracy"] == rows[-1]["test_accuracy"]
+
+
+@pytest.mark.federation
+def test_a_run_whose_training_diverges_on_every_client_stops_with_the_reason(run_dir: Path) -> None:
+    """Resending the global model cannot help a client whose training gives NaN: the run ends, with one line."""
+    args = ["--dataset", "digits", "--partition", "iid", "--clients", "2", "--rounds", "5", "--local-steps", "5",
+            "--lr", "1e30", "--eval-examples", "100"]  # fmt: skip
+    done = edgefl("run", *args, "--out", str(run_dir))
+    assert done.returncode != 0, done.stdout
+    assert "replies failed or were refused" in done.stderr and "NaN or Inf" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_resume_needs_an_unfinished_run_with_a_checkpoint(tmp_path: Path) -> None:

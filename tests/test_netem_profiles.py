@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+from dataclasses import replace
 
 import pytest
 from pyroute2.iproute.linux import get_arguments_processor
@@ -26,6 +27,20 @@ def test_builtin_links_have_sources_and_the_required_round_trips() -> None:
     assert BUILTIN_LINKS["long-distance"].rtt_ms == pytest.approx(300, rel=0.1)
     assert not BUILTIN_LINKS["lan"].shaped
     assert all(link.shaped for name, link in BUILTIN_LINKS.items() if name != "lan")
+
+
+@pytest.mark.parametrize(("name", "up", "down", "rtt"), [("rural-lte", 1, 4, 100), ("iot-uplink", 0.25, 1, 200),
+                                                          ("rural-lte-long", 1, 4, 300)])  # fmt: skip
+def test_bandwidth_bound_links_have_a_slow_uplink_and_loss_both_ways(name: str, up: float, down: float, rtt: float):
+    link = BUILTIN_LINKS[name]
+    assert (link.up.rate_mbit, link.down.rate_mbit, link.rtt_ms) == (up, down, rtt)
+    assert link.up.loss_pct > 0 and link.down.loss_pct > 0 and link.up.jitter_ms > 0
+
+
+def test_the_long_rural_link_differs_from_rural_lte_only_in_delay() -> None:
+    rural, long = BUILTIN_LINKS["rural-lte"], BUILTIN_LINKS["rural-lte-long"]
+    for near, far in ((rural.up, long.up), (rural.down, long.down)):
+        assert replace(near, delay_ms=far.delay_ms) == far and far.delay_ms == 3 * near.delay_ms
 
 
 @pytest.mark.parametrize(
@@ -129,7 +144,7 @@ def test_resolve_links_prefers_user_profiles_over_builtins() -> None:
 @pytest.mark.parametrize(
     ("spec", "clients", "complaint"),
     [
-        ("wifi", 2, "unknown link profile 'wifi'; known: cellular-4g, home-wifi, lan"),
+        ("wifi", 2, "unknown link profile 'wifi'; known: cellular-4g, home-wifi, iot-uplink, lan"),
         ("lan,,lan", 3, "unknown link profile an empty name"),
         ("lan,satellite", 3, "2 link profiles given for 3 clients"),
         ("lan", 0, "at least one client"),

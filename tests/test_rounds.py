@@ -75,8 +75,10 @@ def test_refusals_leave_the_global_model_untouched() -> None:
     reasons = engine.receive(1, [_update([1, 1, 1, 1], 3)])  # needs global of round 1: not sent yet
     assert [r.reason.split(":")[0] for r in reasons] == ["unrequested"]
     bad = Update(1, _update([0, 0, 0, 0], 1).stype, b"\x00garbage", 1)
-    assert engine.receive(1, [bad])[0].reason.startswith("malformed")
-    assert engine.receive(1, [_update([1, 1, 1, 1], 1), _update([9, 9, 9, 9], 1)])[0].reason.startswith("repeated")
+    (malformed,) = engine.receive(1, [bad])
+    assert malformed.reason.startswith("malformed") and malformed.invalid
+    (repeated,) = engine.receive(1, [_update([1, 1, 1, 1], 1), _update([9, 9, 9, 9], 1)])
+    assert repeated.reason.startswith("repeated") and not repeated.invalid
     engine.close_rounds(now=0)
     np.testing.assert_allclose(engine.global_params, [1, 1, 1, 1])
     assert engine.receive(1, [_update([1, 1, 1, 1], 1)])[0].reason.startswith("repeated")
@@ -98,7 +100,8 @@ def test_a_silent_client_holds_a_round_only_until_its_deadline() -> None:
     assert closed[0].closed_by == "deadline" and sorted(closed[0].clients) == [1, 2]
     np.testing.assert_allclose(engine.global_params, [2, 2, 2, 2])
     # The straggler's late update is refused, and it is moved on to the current round.
-    assert engine.receive(3, [_update([100, 100, 100, 100], 1)])[0].reason.startswith("late")
+    (late,) = engine.receive(3, [_update([100, 100, 100, 100], 1)])
+    assert late.reason.startswith("late") and not late.invalid  # a straggler, not a broken client
     request = engine.next_request(3)
     assert request is not None and request.next_round == 2 and request.global_round == 1
 

@@ -80,7 +80,8 @@ def test_inconsistent_replies_are_refused(change: dict) -> None:
 def test_instructions_that_do_not_add_up_are_refused() -> None:
     content = instruction_content(TrainInstruction("{}", 1, 1, Broadcast(0, (Part(1, "edgefl.topk.v1", b"abc"),))))
     with pytest.raises(WireError, match="do not add up"):
-        parse_instruction(_tampered(content, broadcast={"base-round": 0, "rounds": [1], "stypes": ["s"], "sizes": [4]}))
+        parse_instruction(_tampered(content, broadcast={"base-round": 0, "rounds": [1], "stypes": ["s"], "sizes": [4],
+                                                          "sha256": ""}))  # fmt: skip
     header = json.dumps({"job": "{}", "next-round": 1, "last-round": 1})
     with pytest.raises(WireError, match="without a broadcast"):
         parse_instruction(RecordDict({RECORD: ConfigRecord({HEADER: header, PAYLOAD: b"abc"})}))

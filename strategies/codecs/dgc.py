@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -256,6 +256,8 @@ class DGCMemory(Memory):
 
 def _make_dgc(spec: CodecSpec, layout: Layout, seed: int, clients: int) -> tuple[DGCCompressor, DGCMemory]:
     options = DGCOptions.for_stage(spec.value, spec.stage, spec.clip_norm, clients, spec.warmup_rounds)
+    if spec.global_momentum is not None:  # the server applies the momentum: no momentum correction here
+        options = replace(options, momentum=0.0)
     return DGCCompressor(), DGCMemory(layout, options)
 
 

@@ -1,0 +1,41 @@
+"""Bytes and time to target in summary.json, and ``edgefl report``'s table and plots across runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from contract.run_folder import ROUNDS, SUMMARY, RunFolder, summarize, summary_bytes
+from contract.settings import build_config
+from edgefl.report import report
+
+
+def _run(path: Path, accuracies: list[float], bytes_per_round: int, **settings) -> Path:
+    """A finished run folder whose round r took 2·r seconds and moved bytes_per_round each way."""
+    path.mkdir()
+    config = dataclasses.replace(build_config(target_accuracy=0.8, **settings), rounds=len(accuracies))
+    folder = RunFolder(path)
+    rows = []
+    for r, accuracy in enumerate(accuracies, 1):
+        row = {"round": r, "wall_s": 2.0 * r, "test_accuracy": accuracy, "test_loss": 1 - accuracy,
+               "bytes_up": bytes_per_round, "bytes_down": bytes_per_round,
+               "clients": [0, 1], "rejected": []}  # fmt: skip
+        folder.append(ROUNDS, row)
+        rows.append(row)
+    folder.write(SUMMARY, summary_bytes(summarize(config.as_dict(), rows)))
+    return path
+
+
+def test_bytes_and_time_to_target_count_through_the_first_round_at_the_target(tmp_path: Path) -> None:
+    dense = _run(tmp_path / "dense", [0.5, 0.81, 0.7, 0.9], 1_000_000)
+    sparse = _run(tmp_path / "sparse", [0.4, 0.6, 0.85, 0.86], 5_000, compress="stc:0.01", compress_down="int8")
+    never = _run(tmp_path / "never", [0.1, 0.2], 10)
+    text, plots = report([dense, sparse, never], tmp_path / "report")
+    header, _, dense_row, sparse_row, never_row = text.splitlines()
+    assert "MB to target" in header and "fewer bytes to target" in header
+    assert "| 4.000 | 1.00x | 1.00x |" in dense_row  # 2 rounds x 2 MB; time and bytes ratios to itself
+    # 3 rounds x 10 kB = 0.030 MB, 6 s against 4 s (0.67x), 4 MB / 30 kB = 133x fewer bytes
+    assert sparse_row.startswith("| fedavg +stc:0.01/int8 |") and "| 0.030 | 0.67x | 133.33x |" in sparse_row
+    assert "| — | — | — |" in never_row
+    assert sorted(p.name for p in plots) == ["accuracy_vs_bytes.png", "accuracy_vs_rounds.png", "accuracy_vs_time.png"]
+    assert all(p.stat().st_size > 1000 for p in plots)
