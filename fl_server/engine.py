@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from contract.messages import TrainInstruction
@@ -61,7 +62,7 @@ from ml.onnx import export_onnx
 from ml.trainer import evaluate
 from strategies.downlink import BroadcastEncoder, model_digest
 from strategies.fedavg import global_momentum
-from strategies.rounds import ClosedRound, Rejection, Request, RoundEngine, Update
+from strategies.rounds import MAX_FAILED_REPLIES, ClosedRound, Rejection, Request, RoundEngine, Update
 from strategies.validation import NormOutlierFilter
 
 log = logging.getLogger("edgefl.server")
@@ -69,7 +70,6 @@ log = logging.getLogger("edgefl.server")
 POLL_S = 0.02
 NODE_WAIT_S = 180.0
 NODE_REFRESH_S = 1.0
-MAX_FAILED_REPLIES = 5  # the run stops once every admitted node's last replies were errors or wholly refused
 EVALUATION_NICE = 19
 
 
@@ -206,7 +206,6 @@ class ServerLoop:
         self.members = Membership()
         self.partition_of: dict[int, int] = {}
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
-        self.failures: dict[int, int] = {}  # node → replies in a row that were errors or had every update refused
         self.t0 = 0.0
 
     def run(self) -> None:
@@ -329,10 +328,10 @@ class ServerLoop:
         """Hand a reply's updates to the round engine; returns them (none for an error or a malformed reply)."""
         partition = self.partition_of.get(node, -1)  # rejections name partitions (−1: not known yet)
         if reply.has_error():
-            self.engine.fail(node)
+            self.engine.fail(node, raised=reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
             self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reply.error.reason}"))
             log.warning("node %d replied with an error: %s", node, reply.error.reason)
-            self._count_failure(node, reply.error.reason)
+            self._stop_if_stuck(node, reply.error.reason)
             return ()
         try:
             parsed = parse_reply(reply.content)
@@ -347,21 +346,18 @@ class ServerLoop:
         for rejection in rejections:
             log.warning("refused round %d from node %d: %s", rejection.round, node, rejection.reason)
             self.traffic.rejected.append(rejection)
-        invalid = [r for r in rejections if r.invalid]
-        if parsed.updates and len(invalid) == len(parsed.updates):
-            self._count_failure(node, f"refused: {invalid[-1].reason}")
-        elif parsed.updates:
-            self.failures.pop(node, None)
+        if rejections:
+            self._stop_if_stuck(node, f"refused: {rejections[-1].reason}")
         return parsed.updates
 
-    def _count_failure(self, node: int, reason: str) -> None:
-        """Stop the run when no admitted node can contribute any more (e.g. training diverged: NaN, or updates
-        refused as outliers, everywhere): resending the global model would repeat the same failure forever."""
-        self.failures[node] = self.failures.get(node, 0) + 1
-        if all(self.failures.get(n, 0) >= MAX_FAILED_REPLIES for n in self.members.admitted):
+    def _stop_if_stuck(self, node: int, reason: str) -> None:
+        """Stop the run once too few clients can contribute for a round to close (e.g. training diverged: NaN, or
+        updates refused as outliers): resending the global model would repeat the same failure forever."""
+        if self.engine.stuck:
             raise RuntimeError(
-                f"every client's last {MAX_FAILED_REPLIES} replies failed or were refused, the last from node "
-                f"{node}: {reason}"
+                f"too few clients can contribute: a round needs {self.engine.min_clients} of "
+                f"{self.engine.num_clients} and the others' last {MAX_FAILED_REPLIES} replies failed or were "
+                f"refused, the last from node {node}: {reason}"
             )
 
     def _close_rounds(self) -> None:

@@ -16,7 +16,9 @@ until the global model moves on, unless it has not yet given the update the olde
 A round closes when every client has contributed, or — stragglers — once ``quorum`` of the clients have and
 ``deadline_s`` has passed since it became the oldest open round. A contribution is accepted once: late
 (its round is closed), repeated, or beyond what the client could legally have trained is refused with the
-reason, and so is a payload that does not decode or fails validation (``strategies.validation``).
+reason, and so is a payload that does not decode or fails validation (``strategies.validation``). A client
+whose last ``MAX_FAILED_REPLIES`` replies were all errors or wholly refused as unusable can no longer
+contribute; once so many cannot that no round can reach its quorum, the engine is ``stuck``.
 
 Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
 a new node is a fresh client, sent the newest global model first (as deltas from the start model when
@@ -39,6 +41,8 @@ import numpy as np
 from strategies.codecs import Layout, MalformedUpdate, server_compressor
 from strategies.fedavg import ServerMomentum, WeightedMean, apply_update
 from strategies.validation import NormOutlierFilter
+
+MAX_FAILED_REPLIES = 5
 
 Aggregator = Callable[[list[tuple[np.ndarray, int]]], np.ndarray]
 """A round's (dense update, num_examples) pairs → the update applied to the global model."""
@@ -97,6 +101,7 @@ class _Client:
     in_flight: bool = False
     resend_global: bool = False  # a message to it failed: it may not hold the global model it was sent
     behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
+    failures: int = 0  # replies in a row that were errors or had every update refused as invalid
 
 
 @dataclass
@@ -147,6 +152,12 @@ class RoundEngine:
     def done(self) -> bool:
         return self.aggregated >= self.rounds
 
+    @property
+    def stuck(self) -> bool:
+        """Too many clients failed their last ``MAX_FAILED_REPLIES`` replies for any round to gather its quorum."""
+        failing = sum(c.failures >= MAX_FAILED_REPLIES for c in self._clients.values())
+        return failing > self.num_clients - self.min_clients
+
     def start_clock(self, now: float) -> None:
         self._oldest_open_since = now
 
@@ -181,13 +192,18 @@ class RoundEngine:
         for item in updates:
             if rejection := self._admit(source, c, item):
                 rejections.append(rejection)
+        if updates:
+            c.failures = c.failures + 1 if sum(r.invalid for r in rejections) == len(updates) else 0
         return rejections
 
-    def fail(self, client: int) -> None:
-        """A message to ``client`` came back as an error: it may not have the global model, so send it again."""
+    def fail(self, client: int, raised: bool = True) -> None:
+        """A message to ``client`` came back as an error: it may not have the global model, so send it again.
+        ``raised``: the client itself failed (e.g. its training gave NaN), which counts toward ``stuck``; a
+        message the network or the SuperLink lost does not."""
         c = self._clients.setdefault(client, _Client())
         c.in_flight = False
         c.resend_global = True
+        c.failures += raised
 
     def retire(self, client: int) -> None:
         """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""

@@ -45,7 +45,7 @@ from netem.testbed import Testbed
 from netem.tunlink import DelayLine, inject
 from strategies.codecs import make_client_codec, parse_codec
 from strategies.downlink import model_digest
-from strategies.rounds import RoundEngine, Update
+from strategies.rounds import MAX_FAILED_REPLIES, RoundEngine, Update
 from tests.conftest import edgefl, processes_of, start_edgefl
 
 LAYOUT = (("w", (2,)),)
@@ -106,6 +106,26 @@ def test_a_failed_message_sends_the_global_model_again() -> None:
     retry = engine.next_request(1)
     assert retry is not None and retry.global_round == 0 and retry.global_params is not None
 
+
+def test_the_engine_is_stuck_once_too_few_clients_can_reach_a_quorum() -> None:
+    """A client's own failures and updates refused as unusable count, in a row; lost messages and a late update do
+    not, and one usable update starts the count again. Quorum 0.5 of 4: stuck when 3 clients cannot contribute."""
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=3, num_clients=4, quorum=0.5)
+    truncated = dataclasses.replace(_update([1, 1], 1), payload=b"\x00")
+    for client in range(4):
+        engine.next_request(client)
+    for client in (0, 1):
+        for _ in range(MAX_FAILED_REPLIES):
+            engine.fail(client)
+    for _ in range(3 * MAX_FAILED_REPLIES):
+        engine.fail(2, raised=False)  # the SuperLink lost the messages: not the client's failure
+    assert not engine.stuck
+    for _ in range(MAX_FAILED_REPLIES - 1):
+        engine.fail(3)
+    [refused] = engine.receive(3, [truncated], partition=3)
+    assert refused.reason.startswith("malformed") and refused.invalid and engine.stuck
+    assert engine.receive(1, [_update([1, 1], 1)], partition=1) == []  # client 1 trains again
+    assert not engine.stuck
 
 # ----- checkpoints and rounds.jsonl ------------------------------------------------------------------------
 def test_checkpoint_holds_what_resume_needs(tmp_path: Path) -> None:
