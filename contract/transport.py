@@ -7,8 +7,8 @@ behaviour. Each row is a wait in Flower's own code that a message round trip pay
 | (``start_client_internal``; one Fleet request each)  |                          | 250 ms at most (IDLE_POLL_S)   |
 | SuperNode, waiting for the reply and its objects     | 0.5 s                    | 5 ms (REPLY_POLL_S)            |
 | (``_push_messages``; its own memory, no request)     |                          |                                |
-| ``pull_objects``, an object still uploading (a reply | 1 s, doubling to 10 s,   | 10 ms, doubling to 50 ms, until|
-| is listed before its upload completes)               | 500 tries                | Flower's 2 h (RETRY_BACKOFF_S) |
+| ``pull_objects``, an object still uploading (a reply | 1 s, doubling to 10 s,   | 10 ms, doubling to 50 ms, for  |
+| is listed before its upload completes)               | 500 tries or 2 h         | 60 s at most (PULL_MAX_S)      |
 | objects pulled or pushed in parallel                 | min(2, cores)            | 8 (CONCURRENCY)                |
 
 The SuperNode (``python -m fl_client.supernode``) and edgefl's ServerApp call ``tune()`` before Flower moves a
@@ -40,6 +40,10 @@ IDLE_POLL_S = (0.01, 0.25)  # a SuperNode's next pull after an empty one: 10 ms 
 REPLY_POLL_S = 0.005  # the SuperNode checks its own in-memory state for the reply
 RETRY_BACKOFF_S = (0.01, 0.05)  # first retry, then doubling up to the cap: a doubling up to 10 s overshoots an
 # upload that takes seconds over a slow link by up to as long again
+PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was listed is given up as lost. The
+# server pulls replies one after another, so an upload that stalled (its device's link went down) would hold every
+# round until the SuperLink expires it (180 s without progress); our largest message over the slowest profile
+# (iot-uplink, 0.25 Mbit/s up) uploads in well under that.
 CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 3 objects each way
 STOCK_IDLE_S, STOCK_REPLY_S = 3, 0.5  # the literal sleeps in Flower's SuperNode loop
 
@@ -140,7 +144,8 @@ def _apply() -> None:
     _set_defaults(
         inflatable_utils.pull_objects,
         initial_backoff=RETRY_BACKOFF_S[0], backoff_cap=RETRY_BACKOFF_S[1], max_concurrent_pulls=CONCURRENCY,
-        max_tries_per_object=None,  # 500 short retries would give up on a long upload; max_time (2 h) still holds
+        max_time=PULL_MAX_S,
+        max_tries_per_object=None,  # 500 short retries would give up on a long upload; max_time bounds it
     )  # fmt: skip
     _set_defaults(inflatable_utils.push_objects, max_concurrent_pushes=CONCURRENCY)
     _set_defaults(inflatable_utils.push_object_contents_from_iterable, max_concurrent_pushes=CONCURRENCY)

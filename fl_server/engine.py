@@ -351,13 +351,14 @@ class ServerLoop:
         return parsed.updates
 
     def _stop_if_stuck(self, node: int, reason: str) -> None:
-        """Stop the run once too few clients can contribute for a round to close (e.g. training diverged: NaN, or
-        updates refused as outliers): resending the global model would repeat the same failure forever."""
+        """Stop the run once its oldest open round can never close (e.g. training diverged: NaN, or updates refused
+        as outliers): resending the global model would repeat the same failure forever."""
         if self.engine.stuck:
             raise RuntimeError(
-                f"too few clients can contribute: a round needs {self.engine.min_clients} of "
-                f"{self.engine.num_clients} and the others' last {MAX_FAILED_REPLIES} replies failed or were "
-                f"refused, the last from node {node}: {reason}"
+                f"round {self.engine.aggregated + 1} cannot close: it needs {self.engine.min_clients} of "
+                f"{self.engine.num_clients} clients' updates and too few can still give one (a client whose last "
+                f"{MAX_FAILED_REPLIES} replies failed or were refused counts as failed), the last from node "
+                f"{node}: {reason}"
             )
 
     def _close_rounds(self) -> None:
@@ -374,7 +375,7 @@ class ServerLoop:
             "wall_s": wall_s,
             "clients": sorted(closed.clients),
             "closed_by": closed.closed_by,
-            "client_train_s": float(np.mean(closed.train_s)),
+            "client_train_s": float(np.mean(closed.train_s or [math.nan])),
             "train_loss": float(np.mean([x for x in closed.losses if math.isfinite(x)] or [math.nan])),
             "client_health": {str(pid): report for pid, report in sorted(self.health.items())},
             **self.traffic.take(),

@@ -13,12 +13,15 @@ time): a second one queued behind it would reach the client before the reply it 
 bring nothing new and cost a message cycle for an empty reply. For the same reason a client is sent nothing
 until the global model moves on, unless it has not yet given the update the oldest open round waits for.
 
-A round closes when every client has contributed, or — stragglers — once ``quorum`` of the clients have and
-``deadline_s`` has passed since it became the oldest open round. A contribution is accepted once: late
-(its round is closed), repeated, or beyond what the client could legally have trained is refused with the
-reason, and so is a payload that does not decode or fails validation (``strategies.validation``). A client
-whose last ``MAX_FAILED_REPLIES`` replies were all errors or wholly refused as unusable can no longer
-contribute; once so many cannot that no round can reach its quorum, the engine is ``stuck``.
+A round closes when every client has answered it, or — stragglers — once ``quorum`` of the clients have
+contributed to it and ``deadline_s`` has passed since it became the oldest open round. A contribution is
+accepted once: late (its round is closed), repeated, or beyond what the client could legally have trained is
+refused with the reason, and so is a payload that does not decode or fails validation
+(``strategies.validation``). An update refused as unusable still answers its round: the client has moved on
+and will not train that round again, so the round closes without it (a round nobody could contribute to leaves
+the global model where it was). A client whose last ``MAX_FAILED_REPLIES`` replies were all errors or wholly
+refused as unusable is taken to fail for good; once one does and the oldest open round can no longer gather its
+quorum without it, the engine is ``stuck``.
 
 Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
 a new node is a fresh client, sent the newest global model first (as deltas from the start model when
@@ -102,6 +105,7 @@ class _Client:
     resend_global: bool = False  # a message to it failed: it may not hold the global model it was sent
     behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
     failures: int = 0  # replies in a row that were errors or had every update refused as invalid
+    source: int | None = None  # the partition its replies name (None: none yet; its node id stands for it)
 
 
 @dataclass
@@ -111,6 +115,7 @@ class _OpenRound:
     clients: list[int] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    refused: int = 0  # clients whose update for the round was refused as unusable: they answered it
 
 
 class RoundEngine:
@@ -154,9 +159,20 @@ class RoundEngine:
 
     @property
     def stuck(self) -> bool:
-        """Too many clients failed their last ``MAX_FAILED_REPLIES`` replies for any round to gather its quorum."""
-        failing = sum(c.failures >= MAX_FAILED_REPLIES for c in self._clients.values())
-        return failing > self.num_clients - self.min_clients
+        """The oldest open round can never close: a client that failed its last ``MAX_FAILED_REPLIES`` replies will
+        not answer it, and its usable updates plus the clients that may still answer it are fewer than the quorum."""
+        failing = {
+            client if c.source is None else c.source
+            for client, c in self._clients.items()
+            if c.failures >= MAX_FAILED_REPLIES
+        }
+        if not failing:
+            return False
+        round_ = self.aggregated + 1
+        answered = {source for source, rounds in self._contributed.items() if round_ in rounds}
+        open_round = self._open.get(round_)
+        usable = len(open_round.clients) if open_round else 0
+        return usable + self.num_clients - len(answered | failing) < self.min_clients
 
     def start_clock(self, now: float) -> None:
         self._oldest_open_since = now
@@ -188,6 +204,7 @@ class RoundEngine:
         c = self._clients.setdefault(client, _Client())
         c.in_flight = False
         source = client if partition is None else partition
+        c.source = source
         rejections = []
         for item in updates:
             if rejection := self._admit(source, c, item):
@@ -220,27 +237,33 @@ class RoundEngine:
             return Rejection(source, item.round, "late: the round was already closed", False)
         if item.round > min(self.rounds, c.delivered + self.delay + 1):
             return Rejection(source, item.round, "unrequested: the client could not have trained that round yet")
-        if item.num_examples <= 0:
-            return Rejection(source, item.round, "num_examples must be positive")
-        try:  # decoded once, for validation and aggregation alike
-            update = server_compressor(item.stype).decode(item.payload, self.layout)
-        except MalformedUpdate as exc:
-            return Rejection(source, item.round, f"malformed: {exc}")
-        if self.validator and (reason := self.validator.check(update)):
-            return Rejection(source, item.round, reason)
         open_round = self._open.get(item.round) or _OpenRound(WeightedMean(self.global_params.size))
+        self._open[item.round] = open_round
+        contributed.add(item.round)
+        c.received = max(c.received, item.round)
+        update = self._decode(item)
+        if isinstance(update, str):
+            open_round.refused += 1
+            return Rejection(source, item.round, update)
         if self.aggregator:
             open_round.updates.append((update, item.num_examples))
         else:
             open_round.mean.add(update, item.num_examples)
-        self._open[item.round] = open_round
         open_round.clients.append(source)
         open_round.train_s.append(item.train_s)
         open_round.losses.append(item.loss)
-        contributed.add(item.round)
-        c.received = max(c.received, item.round)
         c.behind = False
         return None
+
+    def _decode(self, item: Update) -> np.ndarray | str:
+        """The dense update, decoded once for validation and aggregation alike; or why it cannot be aggregated."""
+        if item.num_examples <= 0:
+            return "num_examples must be positive"
+        try:
+            update = server_compressor(item.stype).decode(item.payload, self.layout)
+        except MalformedUpdate as exc:
+            return f"malformed: {exc}"
+        return (self.validator.check(update) if self.validator else None) or update
 
     def close_rounds(self, now: float) -> list[ClosedRound]:
         """Close every round that can be closed, oldest first, moving the global model."""
@@ -249,15 +272,17 @@ class RoundEngine:
             round_ = self.aggregated + 1
             open_round = self._open.get(round_)
             count = len(open_round.clients) if open_round else 0
-            if count >= self.num_clients:
+            if open_round and count + open_round.refused >= self.num_clients:
                 how = "all"
             elif count >= self.min_clients and self._deadline_passed(now):
                 how = "deadline"
             else:
                 break
             del self._open[round_]
-            mean = self.aggregator(open_round.updates) if self.aggregator else open_round.mean.mean()
-            self.global_params = apply_update(self.global_params, self.momentum.step(mean) if self.momentum else mean)
+            if count:
+                mean = self.aggregator(open_round.updates) if self.aggregator else open_round.mean.mean()
+                step = self.momentum.step(mean) if self.momentum else mean
+                self.global_params = apply_update(self.global_params, step)
             self.aggregated = round_
             self._oldest_open_since = now
             closed.append(

@@ -74,17 +74,42 @@ def test_refusals_leave_the_global_model_untouched() -> None:
     engine.next_request(1)
     reasons = engine.receive(1, [_update([1, 1, 1, 1], 3)])  # needs global of round 1: not sent yet
     assert [r.reason.split(":")[0] for r in reasons] == ["unrequested"]
-    bad = Update(1, _update([0, 0, 0, 0], 1).stype, b"\x00garbage", 1)
-    (malformed,) = engine.receive(1, [bad])
-    assert malformed.reason.startswith("malformed") and malformed.invalid
     (repeated,) = engine.receive(1, [_update([1, 1, 1, 1], 1), _update([9, 9, 9, 9], 1)])
     assert repeated.reason.startswith("repeated") and not repeated.invalid
     engine.close_rounds(now=0)
     np.testing.assert_allclose(engine.global_params, [1, 1, 1, 1])
-    assert engine.receive(1, [_update([1, 1, 1, 1], 1)])[0].reason.startswith("repeated")
-    engine.receive(1, [_update([1, 1, 1, 1], 2)])
+    bad = Update(2, _update([0, 0, 0, 0], 2).stype, b"\x00garbage", 1)
+    (malformed,) = engine.receive(1, [bad])
+    assert malformed.reason.startswith("malformed") and malformed.invalid
+    # The client moved on from round 2 (it will not train it again), so the round closes without an update.
+    [closed] = engine.close_rounds(now=0)
+    assert (closed.round, closed.clients, closed.closed_by) == (2, [], "all")
+    np.testing.assert_allclose(engine.global_params, [1, 1, 1, 1])
+    assert engine.receive(1, [_update([5, 5, 5, 5], 2)])[0].reason.startswith("repeated")
+    request = engine.next_request(1)
+    assert request is not None and (request.next_round, request.global_round) == (3, 2)
+    assert engine.receive(1, [_update([1, 1, 1, 1], 3)]) == []
     engine.close_rounds(now=0)
     np.testing.assert_allclose(engine.global_params, [2, 2, 2, 2])
+
+
+def test_a_round_closes_without_the_updates_it_refused() -> None:
+    """Three of four updates refused as unusable: the round closes on the fourth, and the refused clients are
+    asked for the next round, not for the one they already answered."""
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=4, quorum=0.5)
+    garbage = Update(1, _update([0, 0, 0, 0], 1).stype, b"\x00garbage", 1)
+    for client in range(4):
+        engine.next_request(client)
+    assert engine.receive(0, [_update([4, 4, 4, 4], 1)]) == []
+    for client in (1, 2):
+        assert engine.receive(client, [garbage])[0].invalid
+    assert engine.close_rounds(now=0) == []  # client 3 has not answered yet
+    assert engine.receive(3, [garbage])[0].invalid
+    [closed] = engine.close_rounds(now=0)
+    assert closed.clients == [0] and closed.closed_by == "all"
+    np.testing.assert_allclose(closed.global_params, [4, 4, 4, 4])
+    request = engine.next_request(1)
+    assert request is not None and (request.next_round, request.global_round) == (2, 1)
 
 
 def test_a_silent_client_holds_a_round_only_until_its_deadline() -> None:

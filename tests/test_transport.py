@@ -35,10 +35,11 @@ def test_tune_changes_flowers_waits() -> None:
         from flwr.supernode import start_client_internal as loop
         from flwr.supercore.inflatable import inflatable_utils as objects
         print(tune())
-        print(loop.time is time, objects.pull_objects.__kwdefaults__["initial_backoff"], objects.get_num_workers(8))
+        pull = objects.pull_objects.__kwdefaults__
+        print(loop.time is time, pull["initial_backoff"], pull["max_time"], objects.get_num_workers(8))
     """)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["fast", "False", "0.01", "8"]
+    assert done.stdout.split() == ["fast", "False", "0.01", "60.0", "8"]
 
 
 def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:

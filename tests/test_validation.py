@@ -81,11 +81,10 @@ def test_refused_updates_leave_the_aggregate_untouched() -> None:
     assert engine.receive(0, [_contribution(np.full(SIZE, 0.2))]) == []
     nan = np.full(SIZE, np.nan)
     assert engine.receive(1, [_contribution(nan)])[0].reason.startswith("malformed")
-    assert engine.close_rounds(now=0.0) == []  # the refused client does not count towards the round
-    engine.next_request(1)
-    assert engine.receive(1, [_contribution(np.full(SIZE, 0.4))]) == []
-    [closed] = engine.close_rounds(now=0.0)
-    np.testing.assert_allclose(closed.global_params, np.full(SIZE, 0.3), rtol=1e-6)
+    [closed] = engine.close_rounds(now=0.0)  # the refused client answered the round but is not in its mean
+    assert closed.clients == [0]
+    np.testing.assert_allclose(closed.global_params, np.full(SIZE, 0.2), rtol=1e-6)
+    assert engine.receive(1, [_contribution(np.full(SIZE, 0.4))])[0].reason.startswith("repeated")
 
 
 def test_bad_filter_settings_are_refused() -> None:
