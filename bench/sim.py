@@ -1,6 +1,7 @@
 """In-process federated simulation with EXACT staleness, for the ablation benchmarks.
 
-Before round t every client receives the global model of round t − D − 1, never a newer one (in a deployment
+Before round t every client sampled for it (all, without partial participation) receives the global model of
+round t − D − 1, never a newer one (in a deployment
 the engine hands out the newest model it has, so the real staleness is at most D; D = 0 is FedAvg). Each client
 is the deployment's own ``edge.agent.Session`` (its partition, trainer, codec and DGA bookkeeping), trained
 round by round with its ``train_one_round``; the server's decode, ``WeightedMean``, global momentum and
@@ -25,7 +26,7 @@ from strategies.fedavg import WeightedMean, apply_update, global_momentum
 class SimResult:
     """Test accuracy at the evaluated rounds, and the uplink payload bytes of every round (all clients)."""
 
-    clients: int
+    clients: int  # per round
     dense_bytes: int  # one client's update as dense float32 (the `none` payload)
     eval_rounds: list[int] = field(default_factory=list)
     accuracy: list[float] = field(default_factory=list)
@@ -41,6 +42,8 @@ def simulate(config: RunConfig, lr_at: Callable[[int], float] | None = None, eva
     """Run ``config`` (its strategy, codec, data, partition and training settings); ``lr_at(round)`` (1-based),
     when given, replaces the job's learning-rate schedule; the global model is evaluated every ``eval_every``
     rounds and after the last."""
+    if config.strategy_spec.buffer:
+        raise ValueError("FedBuff's steps follow the arrival order of updates, which this simulation has no clock for")
     job = config.client_job()
     clients = [Session(job, j, config.clients) for j in range(config.clients)]
     dataset = load_dataset(config.dataset, config.data_dir or None)
@@ -49,11 +52,13 @@ def simulate(config: RunConfig, lr_at: Callable[[int], float] | None = None, eva
     for client in clients:
         client.dga.receive_global(0, history[0])
     delay, size = config.strategy_spec.delay, history[0].size
-    result = SimResult(config.clients, dense_payload_size(size))
+    result = SimResult(config.per_round, dense_payload_size(size))
     momentum = global_momentum(config.codec_spec, size)
     for r in range(1, config.rounds + 1):
         mean, sent_bytes = WeightedMean(size), 0
         for client in clients:
+            if not client.sampler.trains(client.partition_id, r):
+                continue
             if r - delay - 1 >= 0:
                 client.dga.receive_global(r - delay - 1, history[r - delay - 1])
             update, sent = client.train_one_round(r, client.dga.start_params(), None if lr_at is None else lr_at(r))

@@ -18,6 +18,7 @@ import tomli_w
 
 from contract.errors import EdgeflError
 from strategies.codecs import CodecSpec, parse_codec
+from strategies.sampling import Sampler, parse_clients_per_round
 from strategies.spec import Spec, StrategySpec, parse_aggregate, parse_strategy
 
 LR_SCHEDULES = ("constant", "cosine")  # see ml.trainer.scheduled_lr
@@ -34,6 +35,7 @@ class RunConfig:
     dataset: str = "fashion-mnist"
     partition: str = "dirichlet:0.3"
     clients: int = 4
+    clients_per_round: str = "all"  # all | a count M | a fraction of the clients (strategies.sampling)
     rounds: int = 20
     local_steps: int = 20
     batch_size: int = 32
@@ -64,6 +66,7 @@ class RunConfig:
     codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
     downlink_spec: CodecSpec = field(init=False, repr=False, compare=False)
     aggregate_spec: Spec = field(init=False, repr=False, compare=False)
+    per_round: int = field(init=False, repr=False, compare=False)  # clients_per_round as a count
 
     def __post_init__(self) -> None:
         """Parse the specs, and write the strategy and codecs in their canonical form (dga:D, topk:0.01)."""
@@ -72,6 +75,7 @@ class RunConfig:
             "codec_spec": parse_codec(self.compress),
             "downlink_spec": parse_codec(self.compress_down),
             "aggregate_spec": parse_aggregate(self.aggregate),
+            "per_round": parse_clients_per_round(self.clients_per_round, max(1, self.clients)),
         }
         for name, value in parsed.items():
             object.__setattr__(self, name, value)
@@ -91,9 +95,10 @@ class RunConfig:
         """What every client needs to know to train this run."""
         return ClientJob(
             run=self.name, dataset=self.dataset, data_dir=self.data_dir, partition=self.partition,
-            clients=self.clients, seed=self.seed, rounds=self.rounds, local_steps=self.local_steps,
-            batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, lr_schedule=self.lr_schedule,
-            delay=self.strategy_spec.delay, correction=self.strategy_spec.correction, compress=self.compress,
+            clients=self.clients, clients_per_round=self.per_round, seed=self.seed, rounds=self.rounds,
+            local_steps=self.local_steps, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
+            lr_schedule=self.lr_schedule, delay=self.strategy_spec.delay, correction=self.strategy_spec.correction,
+            compress=self.compress,
         )  # fmt: skip
 
     def to_run_config(self) -> dict[str, str]:
@@ -114,6 +119,7 @@ class ClientJob:
     data_dir: str
     partition: str
     clients: int  # the run's number of partitions: a device of another split is refused
+    clients_per_round: int  # M: round t trains strategies.sampling.Sampler's sample of M partitions
     seed: int
     rounds: int
     local_steps: int
@@ -128,6 +134,9 @@ class ClientJob:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "codec_spec", parse_codec(self.compress))
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.seed, self.clients, self.clients_per_round)
 
     def as_dict(self) -> dict[str, Any]:
         """Keys as users write them (``local-steps``)."""
@@ -188,6 +197,11 @@ def _check(config: RunConfig) -> RunConfig:
     if config.strategy_spec.name == "flower-fedavg" and (config.compress, config.compress_down) != ("none", "none"):
         raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress and "
                           "--compress-down")  # fmt: skip
+    if config.strategy_spec.buffer > config.per_round:
+        raise ConfigError(f"{config.strategy} buffers {config.strategy_spec.buffer} updates a step, more than the "
+                          f"{config.per_round} clients a round samples")  # fmt: skip
+    if config.strategy_spec.buffer and config.aggregate_spec.name != "mean":
+        raise ConfigError(f"{config.strategy} weights updates by staleness: it takes --aggregate mean")
     if config.downlink_spec.global_momentum is not None:
         raise ConfigError(f"gm=BETA is global momentum on the clients' updates: put it on --compress, not on "
                           f"--compress-down {config.compress_down!r}")  # fmt: skip

@@ -9,7 +9,8 @@ FedAvg's lock-step), so a message unlocks up to D + 1 rounds. The agent answers 
 every message round trip then moves the pipeline on by D + 1 rounds; answering with the first ready round
 instead would make each round wait two round trips — or earlier, when the rounds still left can be trained
 during the round trip to the next message (``strategies.dga.reply_early``, from the round trip and the round
-time it measures). Training goes on while messages travel; it pauses only at the staleness bound.
+time it measures). Training goes on while messages travel; it pauses only at the staleness bound. With partial
+participation the agent trains only the rounds its partition is sampled in (``strategies.sampling``).
 """
 
 from __future__ import annotations
@@ -57,13 +58,21 @@ class Session:
         self.dga = DelayedAveragingClient(job.delay, job.correction)
         self.broadcast = BroadcastDecoder(self.layout)
         self.broadcast.hold(0, get_flat_params(self.model))  # the seeded start model: see strategies.downlink
+        self.sampler = job.sampler()
         self.last_round = job.rounds
-        self.next_round = 1
+        self.next_round = 0
+        self.advance_to(1)
         self.outbox: list[Update] = []
         self.training = False
         self.round_s: float | None = None  # moving averages: a round's training time,
         self.round_trip_s: float | None = None  # and the time from a reply to the next global model
         self.replied_at: float | None = None
+
+    def advance_to(self, round_: int) -> None:
+        """The next round to train is the first one from ``round_`` on that this partition is sampled in."""
+        first = max(self.next_round, round_)
+        sampled = self.sampler.next_round(self.partition_id, first, self.last_round)
+        self.next_round = self.last_round + 1 if sampled is None else sampled
 
     def can_train(self) -> bool:
         return self.next_round <= self.last_round and self.dga.can_start(self.next_round)
@@ -73,12 +82,12 @@ class Session:
         if not self.training and not self.can_train():
             return True
         bound = min(self.last_round, self.dga.global_round + self.dga.delay + 1)
-        left = max(0, bound - self.next_round + 1)  # next_round is the round in progress while training
+        left = self.sampler.count(self.partition_id, self.next_round, bound)  # the round in progress counts
         return reply_early(len(self.outbox), left, self.dga.delay, self.round_s or 0.0, self.round_trip_s)
 
     def finish_round(self, ready: Update) -> None:
         self.outbox.append(ready)
-        self.next_round = max(self.next_round, ready.round + 1)
+        self.advance_to(ready.round + 1)
         self.round_s = moving_average(self.round_s, ready.train_s)
         self.training = False
 
@@ -183,7 +192,7 @@ class EdgeAgent:
             if instr.broadcast is not None:  # x̂, the model as the (compressed) broadcast delivers it
                 reference = session.broadcast.receive(instr.broadcast)
                 session.take_global(instr.broadcast.round, reference, time.monotonic())
-            session.next_round = max(session.next_round, instr.next_round)
+            session.advance_to(instr.next_round)
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._error or session.reply_due())
             if self._error:

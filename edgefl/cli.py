@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from contract.errors import EdgeflError
-from contract.settings import RunConfig, build_config, load_config
+from contract.settings import RunConfig, build_config, build_config_from, load_config
 from edgefl.processes import interrupt_on_signals
 from strategies.spec import parse_strategy
 
@@ -36,6 +36,11 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     p.add_argument("--data-dir", help="folder with the data set's files (mnist, or a local fashion-mnist)")
     p.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K | natural")
     p.add_argument("--clients", type=int)
+    p.add_argument(
+        "--clients-per-round",
+        help="partial participation: all (default), a count M, or a fraction "
+        "such as 0.5; a seeded sample without replacement each round",
+    )
     p.add_argument("--rounds", type=int)
     p.add_argument("--local-steps", type=int, help="K: local SGD steps per round")
     p.add_argument("--batch-size", type=int)
@@ -76,6 +81,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "data_dir",
         "partition",
         "clients",
+        "clients_per_round",
         "rounds",
         "local_steps",
         "batch_size",
@@ -139,7 +145,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES, DEFAULTS, compare
 
     base = config_from_args(args, DEFAULTS)
-    strategies = [parse_strategy(s).label for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",")]
+    names = (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",")
+    strategies = [build_config_from({**base.as_dict(), "strategy": name}).strategy for name in names]  # each checked
     profiles = args.profile or (["loopback"] if base.federation == "remote" else list(DEFAULT_PROFILES))
     preflight(base, profiles)
     text, plots = compare(base, strategies, profiles)

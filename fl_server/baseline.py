@@ -128,7 +128,7 @@ def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
                 "bytes_up": up,
                 "bytes_down": down,
                 "clients": clients,
-                "closed_by": "all" if len(clients) == config.clients else "partial",
+                "closed_by": "all" if len(clients) == config.per_round else "partial",
                 "client_train_s": None,
                 "rejected": [],
             },
@@ -137,7 +137,12 @@ def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
         clock["eval_s"] += time.monotonic() - started
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=config.clients, min_available_nodes=config.clients)
+    strategy = FedAvg(  # partial participation: Flower's own sampler (not seeded by the run's seed)
+        fraction_train=config.per_round / config.clients,
+        fraction_evaluate=0.0,
+        min_train_nodes=config.per_round,
+        min_available_nodes=config.clients,
+    )
     strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),

@@ -177,7 +177,8 @@ class ServerLoop:
         self.transport = {-1: transport}  # this server's, then each partition's as its replies report it
         self.config = config
         self.folder = folder
-        self.job = config.client_job().to_json()
+        job = config.client_job()
+        self.job = job.to_json()
         self.evaluator = Evaluator(config, folder)
         model = self.evaluator.model
         start = read_checkpoint(folder.path) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0), np.zeros(0))
@@ -196,6 +197,9 @@ class ServerLoop:
             validator=self.validator,
             clients_build_start=start.round == 0,  # a client's Session builds the seeded start model itself
             momentum=global_momentum(config.codec_spec, start.params.size, start.momentum),
+            sampler=job.sampler(),
+            buffer=config.strategy_spec.buffer,
+            server_lr=config.strategy_spec.server_lr,
         )
         self.wall_offset_s = start.wall_s
         self.broadcaster = BroadcastEncoder(  # --compress-down: clients are sent x̂, see strategies.downlink
@@ -266,7 +270,7 @@ class ServerLoop:
     def _push(self) -> bool:
         messages = [(train_message(TrainInstruction.identify(self.job), node), True) for node in self.members.to_ask()]
         for node in sorted(self.members.admitted):
-            while (request := self.engine.next_request(node)) is not None:
+            while (request := self.engine.next_request(node, self.partition_of.get(node))) is not None:
                 messages.append((self._message(node, request), False))
         if not messages:
             return False
@@ -356,7 +360,7 @@ class ServerLoop:
         if self.engine.stuck:
             raise RuntimeError(
                 f"round {self.engine.aggregated + 1} cannot close: it needs {self.engine.min_clients} of "
-                f"{self.engine.num_clients} clients' updates and too few can still give one (a client whose last "
+                f"{self.engine.per_round} clients' updates and too few can still give one (a client whose last "
                 f"{MAX_FAILED_REPLIES} replies failed or were refused counts as failed), the last from node "
                 f"{node}: {reason}"
             )

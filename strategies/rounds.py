@@ -13,10 +13,19 @@ time): a second one queued behind it would reach the client before the reply it 
 bring nothing new and cost a message cycle for an empty reply. For the same reason a client is sent nothing
 until the global model moves on, unless it has not yet given the update the oldest open round waits for.
 
-A round closes when every client has answered it, or — stragglers — once ``quorum`` of the clients have
-contributed to it and ``deadline_s`` has passed since it became the oldest open round. A contribution is
-accepted once: late (its round is closed), repeated, or beyond what the client could legally have trained is
-refused with the reason, and so is a payload that does not decode or fails validation
+With partial participation (a ``Sampler`` of M of the N partitions per round) a client is asked only for the
+rounds its partition is sampled in, and sent a message only when one of them is unlocked; ``strategies.sampling``
+says what DGA's staleness bound and correction mean for a client that sat out rounds. A round closes when every
+client sampled for it has answered it, or — stragglers — once ``quorum`` of them have contributed to it and
+``deadline_s`` has passed since it became the oldest open round.
+
+FedBuff (``buffer`` K ≥ 1, with D = 0) has no rounds to wait for: a "round" is a server step, which closes once K
+usable updates are buffered, from whichever model each was trained on (a stale one enters the open step, weighted
+by ``strategies.fedbuff.staleness_weight``); a client is sent the newest model after each step it did not yet
+contribute to, so it gives at most one update per step.
+
+A contribution is accepted once: late (its round is closed), repeated, or beyond what the client could legally
+have trained is refused with the reason, and so is a payload that does not decode or fails validation
 (``strategies.validation``). An update refused as unusable still answers its round: the client has moved on
 and will not train that round again, so the round closes without it (a round nobody could contribute to leaves
 the global model where it was). A client whose last ``MAX_FAILED_REPLIES`` replies were all errors or wholly
@@ -43,6 +52,8 @@ import numpy as np
 
 from strategies.codecs import Layout, MalformedUpdate, server_compressor
 from strategies.fedavg import ServerMomentum, WeightedMean, apply_update
+from strategies.fedbuff import StalenessBuffer
+from strategies.sampling import Sampler
 from strategies.validation import NormOutlierFilter
 
 MAX_FAILED_REPLIES = 5
@@ -93,7 +104,7 @@ class ClosedRound:
     clients: list[int]
     train_s: list[float]
     losses: list[float]
-    closed_by: str  # "all" or "deadline"
+    closed_by: str  # "all", "deadline" or (FedBuff) "buffer"
     momentum: np.ndarray  # the server's momentum mᵗ after this round (empty without global momentum)
 
 
@@ -110,12 +121,16 @@ class _Client:
 
 @dataclass
 class _OpenRound:
-    mean: WeightedMean
+    mean: WeightedMean | StalenessBuffer
     updates: list[tuple[np.ndarray, int]] = field(default_factory=list)  # kept only for an Aggregator
     clients: list[int] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    refused: int = 0  # clients whose update for the round was refused as unusable: they answered it
+    refused: list[int] = field(default_factory=list)  # clients whose update was refused as unusable: they answered
+
+    @property
+    def answered(self) -> set[int]:
+        return {*self.clients, *self.refused}
 
 
 class RoundEngine:
@@ -133,15 +148,24 @@ class RoundEngine:
         validator: NormOutlierFilter | None = None,
         clients_build_start: bool = False,
         momentum: ServerMomentum | None = None,
+        sampler: Sampler | None = None,
+        buffer: int = 0,
+        server_lr: float = 1.0,
     ) -> None:
         if not 0 < quorum <= 1:
             raise ValueError(f"quorum must be in (0, 1], got {quorum}")
+        if buffer and (delay or aggregator):
+            raise ValueError("FedBuff's buffer takes D = 0 and the plain mean")
         self.global_params = initial_params.astype(np.float32, copy=True)
         self.layout = layout
         self.rounds = rounds
         self.num_clients = num_clients
+        self.sampler = sampler or Sampler(0, num_clients, num_clients)
+        self.per_round = self.sampler.per_round
         self.delay = delay
-        self.min_clients = max(1, math.ceil(quorum * num_clients))
+        self.min_clients = buffer or max(1, math.ceil(quorum * self.per_round))
+        self.buffer = buffer
+        self.server_lr = server_lr
         self.deadline_s = deadline_s
         self.aggregated = start_round
         self.aggregator = aggregator
@@ -159,34 +183,43 @@ class RoundEngine:
 
     @property
     def stuck(self) -> bool:
-        """The oldest open round can never close: a client that failed its last ``MAX_FAILED_REPLIES`` replies will
-        not answer it, and its usable updates plus the clients that may still answer it are fewer than the quorum."""
+        """The oldest open round can never close: a client sampled for it that failed its last ``MAX_FAILED_REPLIES``
+        replies will not answer it, and its usable updates plus the clients that may still answer it are fewer than
+        the quorum."""
+        round_ = self.aggregated + 1
+        sources = {client if c.source is None else c.source: c for client, c in self._clients.items()}
         failing = {
-            client if c.source is None else c.source
-            for client, c in self._clients.items()
-            if c.failures >= MAX_FAILED_REPLIES
+            source
+            for source, c in sources.items()
+            if c.failures >= MAX_FAILED_REPLIES and self.sampler.trains(source, round_)
         }
         if not failing:
             return False
-        round_ = self.aggregated + 1
         answered = {source for source, rounds in self._contributed.items() if round_ in rounds}
         open_round = self._open.get(round_)
         usable = len(open_round.clients) if open_round else 0
-        return usable + self.num_clients - len(answered | failing) < self.min_clients
+        answered |= open_round.answered if open_round else set()
+        return usable + self.per_round - len(answered | failing) < self.min_clients
 
     def start_clock(self, now: float) -> None:
         self._oldest_open_since = now
 
-    def next_request(self, client: int) -> Request | None:
-        """The message to send ``client`` now, or None while one is in flight or one would bring nothing new
-        and ask for nothing a round waits for."""
+    def next_request(self, client: int, partition: int | None = None) -> Request | None:
+        """The message to send ``client`` (training ``partition``; its node id stands for it when None) now, or
+        None while one is in flight, none of the rounds it may train is sampled for it, or one would bring nothing
+        new and ask for nothing a round waits for."""
         c = self._clients.setdefault(client, _Client())
+        c.source = c.source if partition is None else partition
         if self.done or c.in_flight:
             return None
         frontier = min(self.rounds, self.aggregated + self.delay + 1)
         next_round = max(c.received, self.aggregated) + 1
         if c.behind:  # skip the rounds that will close before its reply arrives, so that it catches up
             next_round = max(next_round, frontier)
+        source = client if c.source is None else c.source
+        next_round = self.sampler.next_round(source, next_round, frontier)
+        if next_round is None or (self.buffer and source in self._open_answered()):
+            return None
         new_global = self.aggregated > c.delivered or c.resend_global
         if not new_global and (next_round > frontier or c.received > self.aggregated):
             return None
@@ -226,34 +259,47 @@ class RoundEngine:
         """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""
         self._clients.pop(client, None)
 
+    def _open_answered(self) -> set[int]:
+        open_round = self._open.get(self.aggregated + 1)
+        return open_round.answered if open_round else set()
+
     def _admit(self, source: int, c: _Client, item: Update) -> Rejection | None:
         contributed = self._contributed.setdefault(source, set())
         if item.round in contributed:
             return Rejection(source, item.round, "repeated: this client already sent an update for that round", False)
-        if item.round <= self.aggregated:
+        if self.buffer and source in self._open_answered():
+            return Rejection(source, item.round, "repeated: this client already gave an update to this step", False)
+        if item.round <= self.aggregated and not self.buffer:
             contributed.add(item.round)
             c.received = max(c.received, item.round)
             c.behind = True
             return Rejection(source, item.round, "late: the round was already closed", False)
         if item.round > min(self.rounds, c.delivered + self.delay + 1):
             return Rejection(source, item.round, "unrequested: the client could not have trained that round yet")
-        open_round = self._open.get(item.round) or _OpenRound(WeightedMean(self.global_params.size))
-        self._open[item.round] = open_round
+        if not self.sampler.trains(source, item.round):
+            return Rejection(source, item.round, "unrequested: the client is not sampled for that round")
+        target = self.aggregated + 1 if self.buffer else item.round  # FedBuff: a stale update enters the open step
+        open_round = self._open.get(target) or _OpenRound(self._accumulator())
+        self._open[target] = open_round
         contributed.add(item.round)
         c.received = max(c.received, item.round)
         update = self._decode(item)
         if isinstance(update, str):
-            open_round.refused += 1
+            open_round.refused.append(source)
             return Rejection(source, item.round, update)
         if self.aggregator:
             open_round.updates.append((update, item.num_examples))
-        else:
-            open_round.mean.add(update, item.num_examples)
+        else:  # FedBuff: weighted by staleness τ = how many steps its model is behind, else by examples
+            open_round.mean.add(update, target - item.round if self.buffer else item.num_examples)
         open_round.clients.append(source)
         open_round.train_s.append(item.train_s)
         open_round.losses.append(item.loss)
         c.behind = False
         return None
+
+    def _accumulator(self) -> WeightedMean | StalenessBuffer:
+        size = self.global_params.size
+        return StalenessBuffer(size, self.server_lr) if self.buffer else WeightedMean(size)
 
     def _decode(self, item: Update) -> np.ndarray | str:
         """The dense update, decoded once for validation and aggregation alike; or why it cannot be aggregated."""
@@ -272,7 +318,11 @@ class RoundEngine:
             round_ = self.aggregated + 1
             open_round = self._open.get(round_)
             count = len(open_round.clients) if open_round else 0
-            if open_round and count + open_round.refused >= self.num_clients:
+            if self.buffer:
+                if count < self.buffer:
+                    break
+                how = "buffer"
+            elif open_round and count + len(open_round.refused) >= self.per_round:
                 how = "all"
             elif count >= self.min_clients and self._deadline_passed(now):
                 how = "deadline"
