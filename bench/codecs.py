@@ -148,7 +148,7 @@ def _row(name: str, f: dict[str, Any], base: dict[str, Any]) -> str:
 def _verdict(headline: dict[str, Any], target: float) -> str:
     best = headline["best_codec"]
     if best is None:
-        return f"No codec reached {target:g}."
+        return f"No codec but the dense baseline (none) reached {target:g}."
     bytes_ratio, time_ratio, delta = (headline[k] for k in ("bytes_to_target_ratio", "time_to_target_ratio",
                                                             "accuracy_delta_points"))  # fmt: skip
     met = bytes_ratio >= 100, time_ratio >= 3, delta >= -1
