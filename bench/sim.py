@@ -19,6 +19,7 @@ from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, set_flat_params
 from ml.trainer import evaluate
 from strategies.codecs import dense_payload_size, server_compressor
+from strategies.downlink import BroadcastEncoder
 from strategies.fedavg import WeightedMean, apply_update, global_momentum
 
 
@@ -49,6 +50,7 @@ def simulate(config: RunConfig, lr_at: Callable[[int], float] | None = None, eva
     dataset = load_dataset(config.dataset, config.data_dir or None)
     model = build_model(dataset, config.seed)
     history = {0: get_flat_params(model)}
+    broadcaster = BroadcastEncoder(config.downlink_spec, history[0], clients[0].layout, config.seed)
     for client in clients:
         client.dga.receive_global(0, history[0])
     delay, size = config.strategy_spec.delay, history[0].size
@@ -59,8 +61,10 @@ def simulate(config: RunConfig, lr_at: Callable[[int], float] | None = None, eva
         for client in clients:
             if not client.sampler.trains(client.partition_id, r):
                 continue
-            if r - delay - 1 >= 0:
-                client.dga.receive_global(r - delay - 1, history[r - delay - 1])
+            if r - delay - 1 >= 0:  # x̂ of that round, as the (compressed) broadcast delivers it
+                held = r - delay - 1
+                broadcast = broadcaster.broadcast(held, history[held], client.broadcast.round)
+                client.dga.receive_global(held, client.broadcast.receive(broadcast))
             update, sent = client.train_one_round(r, client.dga.start_params(), None if lr_at is None else lr_at(r))
             client.dga.record_sent(r, sent)
             mean.add(server_compressor(update.stype).decode(update.payload, client.layout), update.num_examples)

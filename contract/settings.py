@@ -22,7 +22,7 @@ from strategies.sampling import Sampler, parse_clients_per_round
 from strategies.spec import Spec, StrategySpec, parse_aggregate, parse_strategy
 
 LR_SCHEDULES = ("constant", "cosine")  # see ml.trainer.scheduled_lr
-FEDERATIONS = ("local", "remote")
+FEDERATIONS = ("local", "remote", "simulation")
 
 
 class ConfigError(EdgeflError, ValueError):
@@ -61,6 +61,8 @@ class RunConfig:
     server: str = ""  # remote: the SuperLink's HOST:PORT
     root_cert: str = ""  # remote: the CA certificate (PEM) that signed the SuperLink's certificate
     insecure: bool = False  # remote: plain-text connection to a SuperLink started with --insecure
+    ray_address: str = ""  # simulation: a Ray cluster to join (auto | HOST:PORT); "" starts Ray on this machine
+    clock_step_s: float = 0.0  # simulation: the virtual clock's seconds per local step on one core; 0: measure here
     # Parsed once, from the fields above, when the record is made:
     strategy_spec: StrategySpec = field(init=False, repr=False, compare=False)
     codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
@@ -197,6 +199,8 @@ def _check(config: RunConfig) -> RunConfig:
     if config.strategy_spec.name == "flower-fedavg" and (config.compress, config.compress_down) != ("none", "none"):
         raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress and "
                           "--compress-down")  # fmt: skip
+    if config.strategy_spec.name == "flower-fedavg" and config.federation == "simulation":
+        raise ConfigError("flower-fedavg runs Flower's own apps in a deployment; a simulation runs edgefl's fedavg")
     if config.strategy_spec.buffer > config.per_round:
         raise ConfigError(f"{config.strategy} buffers {config.strategy_spec.buffer} updates a step, more than the "
                           f"{config.per_round} clients a round samples")  # fmt: skip
@@ -221,7 +225,11 @@ def parse_address(address: str) -> tuple[str, int]:
 def _check_federation(config: RunConfig) -> None:
     if config.federation not in FEDERATIONS:
         raise ConfigError(f"unknown federation {config.federation!r}: use {' or '.join(FEDERATIONS)}")
-    if config.federation == "local":
+    if config.federation != "simulation" and (config.ray_address or config.clock_step_s):
+        raise ConfigError("--ray-address and --clock-step-s are for --federation simulation")
+    if config.clock_step_s < 0:
+        raise ConfigError(f"clock-step-s must be positive (or 0: measured), got {config.clock_step_s}")
+    if config.federation in ("local", "simulation"):
         if config.server or config.root_cert or config.insecure:
             raise ConfigError("--server, --root-cert and --insecure are for --federation remote")
         return

@@ -34,6 +34,7 @@ log = logging.getLogger("edgefl.transport")
 FLWR_VERSION = "1.41.0"
 STOCK_ENV = "EDGEFL_TRANSPORT"  # "stock": leave Flower as it is
 FAST, STOCK = "fast", "stock"
+SIMULATION = "simulation"  # Flower's Simulation Engine carries messages in memory: nothing here applies
 
 IDLE_POLL_S = (0.01, 0.25)  # a SuperNode's next pull after an empty one: 10 ms after a message, backing off to
 # 250 ms. An empty pull costs the SuperLink ~5 ms of CPU: a fixed short poll would cost a core on a small host.

@@ -15,16 +15,18 @@ participation the agent trains only the rounds its partition is sampled in (``st
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
 from contract.messages import TrainInstruction, TrainReply
 from contract.settings import ClientJob
 from edge.health import health_snapshot
-from ml.data import load_partition
+from ml.data import Dataset, load_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.trainer import LocalTrainer, scheduled_lr
 from strategies.codecs import make_client_codec
@@ -42,12 +44,15 @@ class AgentError(RuntimeError):
 class Session:
     """One run's state on this device. Everything that must outlive a Flower message lives here."""
 
-    def __init__(self, job: ClientJob, partition_id: int, num_partitions: int, data_dir: str = "") -> None:
+    def __init__(
+        self, job: ClientJob, partition_id: int, num_partitions: int, data_dir: str = "", data: Dataset | None = None
+    ) -> None:
+        """``data``: the partition when the caller has it (a simulation's cache), else it is loaded here."""
         self.job = job
         self.partition_id = partition_id
-        data = load_partition(
-            job.dataset, data_dir or job.data_dir or None, job.partition, num_partitions, job.seed, partition_id
-        )
+        if data is None:
+            data_dir = data_dir or job.data_dir
+            data = load_partition(job.dataset, data_dir or None, job.partition, num_partitions, job.seed, partition_id)
         self.num_examples = len(data.y_train)
         self.model = build_model(data, job.seed)
         self.layout = param_layout(self.model)
@@ -68,6 +73,29 @@ class Session:
         self.round_trip_s: float | None = None  # and the time from a reply to the next global model
         self.replied_at: float | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the partition's rows (``attach`` them again after unpickling): how a simulated client's
+        session lives in Flower's node state between messages (``fl_client.simulation``)."""
+        trainer = copy.copy(self.trainer)
+        trainer.x, trainer.y = None, None
+        return {**self.__dict__, "trainer": trainer}
+
+    def attach(self, data: Dataset) -> None:
+        self.trainer.attach(data.x_train, data.y_train)
+
+    def take_instruction(self, instr: TrainInstruction, now: float) -> None:
+        """Take the global model a message brings (x̂, as the possibly compressed broadcast delivers it) and the
+        first round it asks for."""
+        if instr.broadcast is not None:
+            reference = self.broadcast.receive(instr.broadcast)
+            self.take_global(instr.broadcast.round, reference, now)
+        self.advance_to(instr.next_round)
+
+    def train_next(self) -> None:
+        """Train the next round from DGA's start model and put its update in the outbox."""
+        round_ = self.next_round
+        self.finish_round(*self.train_one_round(round_, self.dga.start_params()))
+
     def advance_to(self, round_: int) -> None:
         """The next round to train is the first one from ``round_`` on that this partition is sampled in."""
         first = max(self.next_round, round_)
@@ -85,7 +113,10 @@ class Session:
         left = self.sampler.count(self.partition_id, self.next_round, bound)  # the round in progress counts
         return reply_early(len(self.outbox), left, self.dga.delay, self.round_s or 0.0, self.round_trip_s)
 
-    def finish_round(self, ready: Update) -> None:
+    def finish_round(self, ready: Update, sent: np.ndarray) -> None:
+        """Keep a trained round's update: in the outbox, and as sent (``sent``, what the server will decode) for
+        DGA's correction."""
+        self.dga.record_sent(ready.round, sent)
         self.outbox.append(ready)
         self.advance_to(ready.round + 1)
         self.round_s = moving_average(self.round_s, ready.train_s)
@@ -113,6 +144,15 @@ class Session:
         encoded = self.codec.encode(get_flat_params(self.model) - start, round_)
         update = Update(round_, encoded.stype, encoded.payload, self.num_examples, time.perf_counter() - t0, loss)
         return update, encoded.decoded
+
+
+def check_partition(job: ClientJob, partition_id: int, num_partitions: int) -> None:
+    """Raise AgentError unless this device's partition is one of the run's split."""
+    if num_partitions != job.clients or not 0 <= partition_id < job.clients:
+        reason = (f"this device is partition {partition_id} of {num_partitions}; the run {job.run!r} trains "
+                  f"partitions 0..{job.clients - 1} of {job.clients}")  # fmt: skip
+        log.error("refused: %s", reason)
+        raise AgentError(reason)
 
 
 def _seconds(value: float | None) -> str:
@@ -156,8 +196,7 @@ class EdgeAgent:
                     self._cond.notify_all()
                 return
             with self._cond:  # DGA's bookkeeping changes only under the lock: the task thread reads it too
-                session.dga.record_sent(round_, sent)
-                session.finish_round(ready)
+                session.finish_round(ready, sent)
                 self._cond.notify_all()
 
     # ----- messages -----------------------------------------------------------------------------------
@@ -168,11 +207,7 @@ class EdgeAgent:
         if current and self._job_text == job_text and current.partition_id == partition_id:
             return current
         job = ClientJob.from_json(job_text)
-        if num_partitions != job.clients or not 0 <= partition_id < job.clients:
-            reason = (f"this device is partition {partition_id} of {num_partitions}; the run {job.run!r} trains "
-                      f"partitions 0..{job.clients - 1} of {job.clients}")  # fmt: skip
-            log.error("refused: %s", reason)
-            raise AgentError(reason)
+        check_partition(job, partition_id, num_partitions)
         session = Session(job, partition_id, num_partitions, self.data_dir)
         with self._cond:
             self._session, self._job_text = session, job_text
@@ -189,10 +224,7 @@ class EdgeAgent:
         if not instr.asks_for_rounds:
             return TrainReply(session.partition_id, (), health_snapshot(), self.transport)
         with self._cond:
-            if instr.broadcast is not None:  # x̂, the model as the (compressed) broadcast delivers it
-                reference = session.broadcast.receive(instr.broadcast)
-                session.take_global(instr.broadcast.round, reference, time.monotonic())
-            session.advance_to(instr.next_round)
+            session.take_instruction(instr, time.monotonic())
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._error or session.reply_due())
             if self._error:

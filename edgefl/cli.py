@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 from pathlib import Path
 
 from contract.errors import EdgeflError
-from contract.settings import RunConfig, build_config, build_config_from, load_config
+from contract.settings import ConfigError, RunConfig, build_config, build_config_from, load_config
 from edgefl.processes import interrupt_on_signals
 from strategies.spec import parse_strategy
 
@@ -49,21 +50,29 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     p.add_argument("--lr-schedule", help="constant | cosine (annealed over the run's rounds)")
     p.add_argument("--seed", type=int)
     p.add_argument("--target-accuracy", type=float)
-    link_help = "link profile: loopback (no namespaces), or e.g. long-distance, or one per client: home-wifi,satellite"
+    link_help = (
+        "link profile: loopback (no namespaces), or e.g. long-distance, or a list over the clients in order, "
+        "repeated when shorter: home-wifi,satellite"
+    )
     if several_profiles:
         p.add_argument("--profile", action="append", help=link_help + "; repeat to compare over several")
     else:
         p.add_argument("--profile", help=link_help)
     p.add_argument("--profiles", dest="profiles_file", help="TOML file with your own link profiles")
     p.add_argument("--device-profile", help="emulated device CPU per client (local runs): laptop, rpi3, rpi4, "
-                   "rpi5, or one per client: rpi4,rpi4,laptop")  # fmt: skip
+                   "rpi5, or a list over the clients like --profile: rpi3,rpi4,laptop")  # fmt: skip
     p.add_argument("--compress", help="update codec: none, topk:R, dgc:S, powersgd:R, onebit, terngrad, ...")
     p.add_argument("--compress-down", help="codec of the global model's deltas sent to clients (same names)")
     p.add_argument("--quorum", type=float, help="fraction of clients that closes a round after its deadline")
     p.add_argument("--round-deadline-s", type=float, help="seconds a round waits for stragglers")
     p.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
-    p.add_argument("--federation", choices=("local", "remote"),
-                   help="local (default): start everything here; remote: submit to an edgefl server")  # fmt: skip
+    p.add_argument("--federation", choices=("local", "remote", "simulation"),
+                   help="local (default): start everything here; remote: submit to an edgefl server; simulation: "
+                   "virtual clients on Flower's Simulation Engine (Ray) with a modelled clock")  # fmt: skip
+    p.add_argument("--ray-address", help="simulation: join this Ray cluster (auto, or the head's HOST:PORT) "
+                   "instead of starting Ray here")  # fmt: skip
+    p.add_argument("--clock-step-s", type=float, help="simulation: the virtual clock's seconds per local step on one "
+                   "core (default: measured on this host when the run starts)")  # fmt: skip
     p.add_argument("--server", help="remote: the SuperLink's HOST:PORT")
     p.add_argument("--root-cert", help="remote: the server's CA certificate (ca.pem from edgefl certs)")
     p.add_argument("--insecure", action="store_true", default=None, help="remote: plain text to a --insecure server")
@@ -104,6 +113,8 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "server",
         "root_cert",
         "insecure",
+        "ray_address",
+        "clock_step_s",
     )
     overrides = {k: getattr(args, k) for k in keys}
     if isinstance(args.profile, list):  # compare: the runs' profiles are passed to compare() separately
@@ -113,10 +124,12 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
 
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     """Fail before anything starts: the data set is installed, the partition fits it, the links exist."""
-    from edgefl.launcher import devices_for, links_for
     from ml.data import load_dataset
     from ml.partition import partition_indices
+    from netem.fleet import devices_for, links_for
 
+    if config.federation == "simulation" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("--federation simulation needs Ray: pip install 'flwr[simulation]==1.41.0'")
     dataset = load_dataset(config.dataset, config.data_dir or None)
     partition_indices(dataset, config.partition, config.clients, config.seed)
     for profile in profiles or [config.profile]:

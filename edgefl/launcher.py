@@ -26,10 +26,10 @@ import tomli_w
 
 from contract.run_folder import CHECKPOINT, GLOBAL_ONNX, MESSAGES, ROUNDS, SERVER_ERROR, SUMMARY, mirror, read_rounds
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
-from edge.devices import CpuCap, DeviceProfile, device_profile
+from edge.devices import CpuCap
 from edgefl.certs import ServerCerts, make_server_certs
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail, tail_from
-from netem.profiles import Link, load_links, resolve_links
+from netem.fleet import devices_for, links_for
 from netem.testbed import Testbed
 
 FEDERATION = "edgefl"
@@ -55,23 +55,6 @@ class Placement:
     client_prefixes: tuple[tuple[str, ...], ...]
     backend: str
     testbed: Testbed | None = None  # the namespaced testbed, for fault injection (set_link_up, loss_burst, stall)
-
-
-def links_for(config: RunConfig) -> list[Link] | None:
-    """The clients' links, or None for plain loopback; raises LinkError for unknown or invalid profiles."""
-    if config.profile == "loopback":
-        return None
-    extra = load_links(config.profiles_file) if config.profiles_file else None
-    return resolve_links(config.profile, config.clients, extra)
-
-
-def devices_for(config: RunConfig) -> list[DeviceProfile]:
-    """One emulated device per client from ``rpi4`` (all) or ``rpi4,rpi4,laptop`` (one per client)."""
-    names = [name.strip() for name in config.device_profile.split(",")]
-    if len(names) not in (1, config.clients):
-        raise ConfigError(f"{len(names)} device profiles for {config.clients} clients; give one or one per client")
-    profiles = [device_profile(name) for name in names]
-    return profiles * config.clients if len(profiles) == 1 else profiles
 
 
 @contextlib.contextmanager
@@ -114,6 +97,7 @@ def _flower_env(run_dir: Path) -> dict[str, str]:
         FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.1",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        RAY_USAGE_STATS_ENABLED="0",  # a simulation's Ray: no usage report sent anywhere
     )
     return env
 
@@ -362,10 +346,13 @@ def _progress_line(row: dict, rounds: int) -> str:
     )
 
 
-def _check_server_alive(procs: ProcessGroup) -> None:
-    """A client's agent or SuperNode may die (and come back): the run goes on with the others. The SuperLink may not."""
+def _check_server_alive(procs: ProcessGroup, run_dir: Path) -> None:
+    """A client's agent or SuperNode may die (and come back): the run goes on with the others. The SuperLink (or
+    a simulation) may not, unless it ended after writing the run's summary."""
     for name, proc in procs.procs:
         if not name.startswith((*CLIENT_PROCESSES, RUN_LOG)) and proc.poll() is not None:
+            if (run_dir / SUMMARY).exists():
+                return
             raise LaunchError(f"{name} exited with code {proc.returncode}; see {procs.log_dir / name}.log")
 
 
@@ -391,12 +378,25 @@ def follow(
             progress(_progress_line(row, config.rounds))
             last_change = time.monotonic()
         shown = len(rows)
-        _check_server_alive(procs)
+        _check_server_alive(procs, run_dir)
         if time.monotonic() - last_change > stall_s:
             raise LaunchError(f"no round finished for {stall_s:.0f} s; see {run_dir / 'server.log'}")
         time.sleep(0.2)
     for row in read_rounds(run_dir)[shown:]:
         progress(_progress_line(row, config.rounds))
+
+
+def simulate(config: RunConfig, run_dir: Path, logs: Path, progress: Callable[[str], None]) -> None:
+    """The run on Flower's Simulation Engine, in a process of its own (``edgefl.simulation``), followed as a
+    deployment's server is; stopping it stops Ray's processes too (they are its descendants)."""
+    save_config(config, run_dir / "config.toml")
+    with ProcessGroup(logs, _flower_env(run_dir)) as procs:
+        procs.start("simulation", [sys.executable, "-m", "edgefl.simulation", str(run_dir)])
+        progress(
+            f"simulation: {config.strategy} on {config.dataset} ({config.partition}), {config.clients} virtual "
+            f"clients, {config.per_round} a round; links {config.profile}, devices {config.device_profile}"
+        )
+        follow(config, run_dir, procs, progress)
 
 
 def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool = False) -> Path:
@@ -405,6 +405,9 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
     logs = run_dir / "logs"
     if not resume:
         shutil.rmtree(logs, ignore_errors=True)
+    if config.federation == "simulation":
+        simulate(config, run_dir, logs, progress)
+        return run_dir
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)
         save_config(config, run_dir / "config.toml")

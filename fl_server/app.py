@@ -33,17 +33,22 @@ def run_folder_of(config: RunConfig, context: Context) -> RunFolder:
 
 
 def run_app(context: Context, body: Callable[[RunConfig, RunFolder], None]) -> None:
-    """Run ``body`` on the run's settings and folder with the server's log in ``server.log``; any failure is
-    written to ``server_error.txt`` (one line) before it propagates."""
+    """Run ``body`` on the run's settings and folder (``run_in_folder``)."""
     config = RunConfig.from_run_config(context.run_config)
     folder = run_folder_of(config, context)
+    run_in_folder(folder, lambda: body(config, folder))
+
+
+def run_in_folder(folder: RunFolder, body: Callable[[], None]) -> None:
+    """Run ``body`` with the server's log in the folder's ``server.log``; any failure is written to
+    ``server_error.txt`` (one line) before it propagates."""
     handler = logging.FileHandler(folder.path / "server.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logger = logging.getLogger("edgefl")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        body(config, folder)
+        body()
     except BaseException as exc:
         logger.exception("server failed")
         folder.write(SERVER_ERROR, f"{type(exc).__name__}: {exc}\n".encode())

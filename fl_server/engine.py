@@ -35,7 +35,7 @@ from flwr.app import Message
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from contract.messages import TrainInstruction
+from contract.messages import TrainInstruction, TrainReply
 from contract.run_folder import (
     GLOBAL_ONNX,
     MESSAGES,
@@ -71,6 +71,16 @@ POLL_S = 0.02
 NODE_WAIT_S = 180.0
 NODE_REFRESH_S = 1.0
 EVALUATION_NICE = 19
+
+
+def parsed_reply(reply: Message) -> TrainReply | str | None:
+    """A reply as edgefl's record, the reason it is malformed, or None for an error reply (``reply.error``)."""
+    if reply.has_error():
+        return None
+    try:
+        return parse_reply(reply.content)
+    except WireError as exc:
+        return str(exc)
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> list[int]:
@@ -148,7 +158,7 @@ class InFlight:
     """A message the server pushed and awaits the reply to."""
 
     node: int
-    sent_at: float  # time.monotonic()
+    sent_at: float  # ServerLoop.now()
     size: WireSize
     identify: bool = False  # it asked the node which partition it trains (fl_server.membership)
 
@@ -219,8 +229,8 @@ class ServerLoop:
             len(self.members.admitted), self.config.strategy, self.engine.aggregated + 1, self.config.rounds,
             self.engine.aggregated, model_digest(self.engine.global_params),
         )  # fmt: skip
-        self.t0 = time.monotonic() - self.wall_offset_s
-        self.engine.start_clock(time.monotonic())
+        self.t0 = self.now() - self.wall_offset_s
+        self.engine.start_clock(self.now())
         refreshed = time.monotonic()
         try:
             while not self.engine.done:
@@ -236,9 +246,16 @@ class ServerLoop:
         finally:
             self.evaluator.close()
         self.evaluator.export(self.engine.global_params)
-        transport = FAST if set(self.transport.values()) == {FAST} else STOCK
         summary = summarize(self.config.as_dict(), read_rounds(self.folder.path))
-        self.folder.write(SUMMARY, summary_bytes({**summary, "transport": transport}))
+        self.folder.write(SUMMARY, summary_bytes({**summary, **self.summary_extra()}))
+
+    def now(self) -> float:
+        """The run's clock: this host's monotonic seconds (a simulation's is modelled, ``fl_server.simulation``)."""
+        return time.monotonic()
+
+    def summary_extra(self) -> dict[str, Any]:
+        """What summary.json says about how the run was carried, next to its results."""
+        return {"transport": FAST if set(self.transport.values()) == {FAST} else STOCK}
 
     def _message(self, node: int, request: Request) -> Message:
         broadcast = None
@@ -274,7 +291,7 @@ class ServerLoop:
                 messages.append((self._message(node, request), False))
         if not messages:
             return False
-        sent_at = time.monotonic()
+        sent_at = self.now()
         ids = list(self.grid.push_messages([msg for msg, _ in messages]))
         for (msg, identify), msg_id in zip(messages, ids, strict=True):
             if msg_id is None:
@@ -289,36 +306,36 @@ class ServerLoop:
             return False
         replies = list(self.grid.pull_messages(list(self.outstanding)))
         for reply in replies:
-            message_id = reply.metadata.reply_to_message_id
-            sent = self.outstanding.pop(message_id)
-            pulled_at, size = time.monotonic(), wire_size(reply)
-            self.traffic.up += size.bytes
-            updates = self._identified(sent.node, reply) if sent.identify else self._receive(sent.node, reply)
-            trip = MessageTrip(
-                message_id=message_id,
-                node=sent.node,
-                partition=self.partition_of.get(sent.node, -1),
-                sent_at=sent.sent_at,
-                round_trip_s=pulled_at - sent.sent_at,
-                train_s=sum(u.train_s for u in updates),
-                rounds=[u.round for u in updates],
-                bytes_down=sent.size.bytes,
-                bytes_up=size.bytes,
-                objects_down=sent.size.objects,
-                objects_up=size.objects,
-            )
-            self.folder.append(MESSAGES, dataclasses.asdict(trip))
+            self._settle(reply, parsed_reply(reply), self.now())
         return bool(replies)
 
-    def _identified(self, node: int, reply: Message) -> tuple[Update, ...]:
+    def _settle(self, reply: Message, parsed: TrainReply | str | None, pulled_at: float) -> None:
+        """Take a pulled reply (``parsed``: see ``parsed_reply``) and log its message trip."""
+        message_id = reply.metadata.reply_to_message_id
+        sent = self.outstanding.pop(message_id)
+        size = wire_size(reply)
+        self.traffic.up += size.bytes
+        handle = self._identified if sent.identify else self._receive
+        updates = handle(sent.node, reply, parsed)
+        trip = MessageTrip(
+            message_id=message_id,
+            node=sent.node,
+            partition=self.partition_of.get(sent.node, -1),
+            sent_at=sent.sent_at,
+            round_trip_s=pulled_at - sent.sent_at,
+            train_s=sum(u.train_s for u in updates),
+            rounds=[u.round for u in updates],
+            bytes_down=sent.size.bytes,
+            bytes_up=size.bytes,
+            objects_down=sent.size.objects,
+            objects_up=size.objects,
+        )
+        self.folder.append(MESSAGES, dataclasses.asdict(trip))
+
+    def _identified(self, node: int, reply: Message, parsed: TrainReply | str | None) -> tuple[Update, ...]:
         """A node's answer to who it is: admitted, a spare, or refused (its agent's error says why)."""
-        if reply.has_error():
-            self.members.refuse(node, reply.error.reason)
-            return ()
-        try:
-            parsed = parse_reply(reply.content)
-        except WireError as exc:
-            self.members.refuse(node, str(exc))
+        if not isinstance(parsed, TrainReply):
+            self.members.refuse(node, reply.error.reason if parsed is None else parsed)
             return ()
         if not 0 <= parsed.partition_id < self.config.clients:
             self.members.refuse(
@@ -328,20 +345,18 @@ class ServerLoop:
             self.partition_of[node] = parsed.partition_id
         return ()
 
-    def _receive(self, node: int, reply: Message) -> tuple[Update, ...]:
+    def _receive(self, node: int, reply: Message, parsed: TrainReply | str | None) -> tuple[Update, ...]:
         """Hand a reply's updates to the round engine; returns them (none for an error or a malformed reply)."""
         partition = self.partition_of.get(node, -1)  # rejections name partitions (−1: not known yet)
-        if reply.has_error():
+        if parsed is None:
             self.engine.fail(node, raised=reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
             self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reply.error.reason}"))
             log.warning("node %d replied with an error: %s", node, reply.error.reason)
             self._stop_if_stuck(node, reply.error.reason)
             return ()
-        try:
-            parsed = parse_reply(reply.content)
-        except WireError as exc:
+        if isinstance(parsed, str):
             self.engine.receive(node, [])
-            self.traffic.rejected.append(Rejection(partition, -1, str(exc)))
+            self.traffic.rejected.append(Rejection(partition, -1, parsed))
             return ()
         self.partition_of[node] = parsed.partition_id
         self.health[parsed.partition_id] = parsed.health
@@ -365,13 +380,16 @@ class ServerLoop:
                 f"{node}: {reason}"
             )
 
-    def _close_rounds(self) -> None:
-        now = time.monotonic()
-        for closed in self.engine.close_rounds(now):
+    def _close_rounds(self) -> bool:
+        """Close what can be closed now; whether any round closed."""
+        now = self.now()
+        closed_rounds = self.engine.close_rounds(now)
+        for closed in closed_rounds:
             wall_s = now - self.t0
             norms = np.array(self.validator.norms)
             checkpoint = Checkpoint(closed.round, closed.global_params, wall_s, norms, closed.momentum)
             self.evaluator.submit(self._row(closed, wall_s), checkpoint)
+        return bool(closed_rounds)
 
     def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:
         return {

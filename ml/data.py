@@ -237,6 +237,12 @@ def _idx_source(name: str, data_dir: str | None) -> tuple[Path, str]:
     return Path(data_dir), f"mnist idx files not found in {data_dir}: {files}; {hint}"
 
 
+def cut_partition(dataset: Dataset, rows: np.ndarray) -> Dataset:
+    """``rows`` of a loaded data set's training split, compact, and no test split: what a client trains on."""
+    return replace(dataset, x_train=dataset.x_train.subset(rows), y_train=dataset.y_train[rows],
+                   x_test=dataset.x_test.subset(np.zeros(0, np.int64)), y_test=dataset.y_test[:0])  # fmt: skip
+
+
 def load_partition(
     name: str, data_dir: str | None, scheme: str, num_partitions: int, seed: int, partition_id: int
 ) -> Dataset:
@@ -244,9 +250,7 @@ def load_partition(
     first, then streamed keeping only those rows; the other sets are loaded whole and cut."""
     if name not in IDX_SETS:
         dataset = load_dataset(name, data_dir)
-        rows = one_partition(dataset, scheme, num_partitions, seed, partition_id)
-        return replace(dataset, x_train=dataset.x_train.subset(rows), y_train=dataset.y_train[rows],
-                       x_test=dataset.x_test.subset(np.zeros(0, np.int64)), y_test=dataset.y_test[:0])  # fmt: skip
+        return cut_partition(dataset, one_partition(dataset, scheme, num_partitions, seed, partition_id))
     folder, missing = _idx_source(name, data_dir)
     labels_file = next(
         (p for p in (folder / _IDX_STEMS["y_train"], folder / f"{_IDX_STEMS['y_train']}.gz") if p.is_file()), None
@@ -432,27 +436,33 @@ PARTITIONS: dict[str, Parameter | None] = {
 
 
 def one_partition(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:
-    """The rows of partition ``partition_id`` as ``ml.partition.partition_indices`` gives them, computed in a
-    short-lived child process that is handed the labels only — flwr-datasets' ~215 MB stay out of this one —
-    and cached on disk, keyed by the labels and the split, for the next run."""
+    """The rows of partition ``partition_id`` as ``ml.partition.partition_indices`` gives them. On a miss the
+    whole split is computed in a short-lived child process that is handed the labels only — flwr-datasets'
+    ~215 MB stay out of this one — and every partition is cached on disk, keyed by the labels and the split, so
+    the other clients of the run (a simulation's hundreds) read theirs from there."""
+    cache = _partition_file(dataset, scheme, num_partitions, seed, partition_id)
+    if not cache.is_file():
+        labels = replace(dataset, x_train=Rows(np.zeros(0, np.uint8)), x_test=Rows(np.zeros(0, np.uint8)))
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+            split = child.submit(_partitions, labels, scheme, num_partitions, seed).result()
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        for pid, rows in enumerate(split):
+            path = _partition_file(dataset, scheme, num_partitions, seed, pid)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial.npy")
+            np.save(partial, rows)
+            os.replace(partial, path)  # atomic: clients of the same run may write the same split at once
+    return np.load(cache)
+
+
+def _partition_file(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> Path:
     key = hashlib.sha256(dataset.y_train.tobytes())
     if dataset.natural_ids is not None:
         key.update(dataset.natural_ids.tobytes())
     key.update(f"{scheme}/{num_partitions}/{seed}/{partition_id}".encode())
-    cache = _cache_dir() / "partitions" / f"{dataset.name.replace('/', '_')}-{key.hexdigest()[:24]}.npy"
-    if cache.is_file():
-        return np.load(cache)
-    labels = replace(dataset, x_train=Rows(np.zeros(0, np.uint8)), x_test=Rows(np.zeros(0, np.uint8)))
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
-        rows = child.submit(_partition_of, labels, scheme, num_partitions, seed, partition_id).result()
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial.npy")
-    np.save(partial, rows)
-    os.replace(partial, cache)
-    return rows
+    return _cache_dir() / "partitions" / f"{dataset.name.replace('/', '_')}-{key.hexdigest()[:24]}.npy"
 
 
-def _partition_of(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:
+def _partitions(dataset: Dataset, scheme: str, num_partitions: int, seed: int) -> list[np.ndarray]:
     from ml.partition import partition_indices
 
-    return partition_indices(dataset, scheme, num_partitions, seed)[partition_id]
+    return partition_indices(dataset, scheme, num_partitions, seed)

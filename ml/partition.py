@@ -6,6 +6,7 @@ with ``ml.data.one_partition``, in a short-lived child process, and never holds 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import datasets
@@ -47,7 +48,9 @@ def partition_indices(dataset: Dataset, scheme: str, num_partitions: int, seed: 
         if kind == "natural":
             return _natural_partitions(dataset.natural_ids, num_partitions, seed)
         table = datasets.Dataset.from_dict({"label": dataset.y_train, "index": np.arange(num_samples)})
-        return _load_partitions(_label_partitioner(kind, param, num_partitions, seed, table), range(num_partitions))
+        with warnings.catch_warnings():  # the Dirichlet partitioner warns at each of its retries; its error says it
+            warnings.simplefilter("ignore", UserWarning)
+            return _load_partitions(_label_partitioner(kind, param, num_partitions, seed, table), range(num_partitions))
     except ValueError as err:  # the partitioners' own checks, e.g. too few samples of a class
         raise DataError(
             f"cannot split {dataset.name} into {num_partitions} partitions by {scheme!r}: {one_line(err)}"

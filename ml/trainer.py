@@ -34,14 +34,18 @@ class LocalTrainer:
         seed: int,
     ) -> None:
         self.model = model
-        self.x = x  # compact; each minibatch is made model-ready as it is drawn
-        self.y = torch.from_numpy(y)
+        self.attach(x, y)
         self.batch_size = min(batch_size, len(y))
         self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         self._rng = np.random.default_rng(seed)
         self._order = self._rng.permutation(len(y))
         self._pos = 0
         self._loss = nn.CrossEntropyLoss()
+
+    def attach(self, x: Rows, y: np.ndarray) -> None:
+        """The partition to train on (compact; each minibatch is made model-ready as it is drawn)."""
+        self.x = x
+        self.y = torch.from_numpy(y)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pos + self.batch_size > len(self._order):

@@ -208,7 +208,8 @@ def load_links(path: str | Path) -> dict[str, Link]:
 
 
 def resolve_links(spec: str, num_clients: int, extra: dict[str, Link] | None = None) -> list[Link]:
-    """One link per client from ``"home-wifi"`` (all clients) or ``"lan,lan,satellite"`` (one per client).
+    """One link per client from ``"home-wifi"`` (all clients) or ``"lan,satellite"`` (in order, repeated over the
+    clients when shorter).
 
     Profiles in ``extra`` (from :func:`load_links`) take precedence over built-ins of the same name.
     """
@@ -220,10 +221,6 @@ def resolve_links(spec: str, num_clients: int, extra: dict[str, Link] | None = N
         if name not in known:
             shown = repr(name) if name else "an empty name"
             raise LinkError(f"unknown link profile {shown}; known: {', '.join(sorted(known))}")
-    if len(names) == 1:
-        return [known[names[0]]] * num_clients
-    if len(names) != num_clients:
-        raise LinkError(
-            f"{len(names)} link profiles given for {num_clients} clients; give one for all or one per client"
-        )
-    return [known[name] for name in names]
+    if len(names) > num_clients:
+        raise LinkError(f"{len(names)} link profiles given for {num_clients} clients; give at most one per client")
+    return [known[names[j % len(names)]] for j in range(num_clients)]

@@ -213,6 +213,8 @@ class RoundEngine:
         if self.done or c.in_flight:
             return None
         frontier = min(self.rounds, self.aggregated + self.delay + 1)
+        if not self.sampler.everyone and c.received <= self.aggregated:
+            frontier = min(frontier, self.aggregated + 1)  # nothing of its own in flight: see strategies.sampling
         next_round = max(c.received, self.aggregated) + 1
         if c.behind:  # skip the rounds that will close before its reply arrives, so that it catches up
             next_round = max(next_round, frontier)
@@ -348,6 +350,11 @@ class RoundEngine:
             )
         return closed
 
-    def _deadline_passed(self, now: float) -> bool:
+    @property
+    def deadline_at(self) -> float | None:
+        """When the oldest open round's deadline passes (on the clock of ``close_rounds``' ``now``), if it has one."""
         since = self._oldest_open_since
-        return self.deadline_s is not None and since is not None and now - since >= self.deadline_s
+        return None if self.deadline_s is None or since is None else since + self.deadline_s
+
+    def _deadline_passed(self, now: float) -> bool:
+        return self.deadline_at is not None and now >= self.deadline_at

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from contract.messages import TrainInstruction
@@ -75,7 +76,7 @@ def test_the_agent_replies_early_when_the_rounds_left_fill_the_round_trip() -> N
     def finish(round_: int) -> None:
         session.training = True
         session.next_round = round_
-        session.finish_round(Update(round_, "none", b"", 1, train_s=1.0, loss=0.0))
+        session.finish_round(Update(round_, "none", b"", 1, train_s=1.0, loss=0.0), np.zeros(0, np.float32))
 
     finish(1)
     session.round_trip_s = 1.5

@@ -134,6 +134,7 @@ def test_load_links_on_a_missing_file(tmp_path) -> None:
 def test_resolve_links_one_for_all_or_one_per_client() -> None:
     assert resolve_links("home-wifi", 3) == [BUILTIN_LINKS["home-wifi"]] * 3
     assert resolve_links(" lan, satellite ", 2) == [BUILTIN_LINKS["lan"], SATELLITE]
+    assert resolve_links("lan,satellite", 5) == [BUILTIN_LINKS["lan"], SATELLITE] * 2 + [BUILTIN_LINKS["lan"]]
 
 
 def test_resolve_links_prefers_user_profiles_over_builtins() -> None:
@@ -146,7 +147,7 @@ def test_resolve_links_prefers_user_profiles_over_builtins() -> None:
     [
         ("wifi", 2, "unknown link profile 'wifi'; known: cellular-4g, home-wifi, iot-uplink, lan"),
         ("lan,,lan", 3, "unknown link profile an empty name"),
-        ("lan,satellite", 3, "2 link profiles given for 3 clients"),
+        ("lan,satellite,lan", 2, "3 link profiles given for 2 clients"),
         ("lan", 0, "at least one client"),
     ],
 )

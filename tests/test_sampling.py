@@ -118,6 +118,20 @@ def test_dga_with_gaps_a_client_back_after_sitting_out_is_sent_the_newest_global
     assert max(last_trained.values()) > 2  # some client did sit out rounds
 
 
+def test_dga_with_gaps_a_client_with_nothing_in_flight_starts_from_the_newest_model() -> None:
+    """D = 2, 3 clients, 1 per round: a client whose every update is aggregated is asked for round t only once
+    round t − 1 has closed, and sent that model — not two rounds early with an older one it cannot correct."""
+    sampler = Sampler(seed=5, population=3, per_round=1)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=8, num_clients=3, delay=2, sampler=sampler)
+    for round_ in range(1, 9):
+        requests = {c: engine.next_request(c, c) for c in range(3)}
+        (client,) = sampler.clients(round_)
+        assert (requests[client].next_round, requests[client].global_round) == (round_, round_ - 1)
+        assert all(request is None for other, request in requests.items() if other != client)
+        engine.receive(client, [_update([1, 1, 1, 1], round_)], client)
+        assert [c.round for c in engine.close_rounds(now=0)] == [round_]
+
+
 def test_the_agent_trains_only_the_rounds_its_partition_is_sampled_in() -> None:
     """DGA with D = 3, 2 of 4 clients per round: the message that unlocks rounds 1..4 is answered with the ones
     among them this partition is sampled for, and only those."""

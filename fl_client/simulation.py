@@ -1,0 +1,64 @@
+"""edgefl's ClientApp on Flower's Simulation Engine (``--federation simulation``): the deployment's own
+``edge.agent.Session`` — partition, model, optimizer, codec memory, DGA bookkeeping, broadcast reference —
+trained by a Ray actor for one virtual client at a time.
+
+Between messages a client's session lives where Flower keeps a node's state, in its ``Context.state``: pickled
+into one ConfigRecord without the partition's rows, which are attached again from this worker's cache of the data
+set. A message is answered as a deployment's agent answers it at DGA's staleness bound: every round it unlocks
+is trained, then all are sent (a deployment's agent may answer earlier, while it trains on; the virtual clock in
+``netem.clock`` times the simulated form). Node config (set by Flower): ``partition-id``, ``num-partitions``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from functools import lru_cache
+
+from flwr.app import ConfigRecord, Context, Message
+from flwr.clientapp import ClientApp
+
+from contract.messages import TrainReply
+from contract.settings import ClientJob
+from contract.transport import SIMULATION
+from contract.wire import parse_instruction, reply_content
+from edge.agent import Session, check_partition
+from ml.data import Dataset, cut_partition, load_dataset, one_partition
+
+app = ClientApp()
+SESSION = "edgefl-session"
+
+
+@lru_cache(maxsize=2)
+def _dataset(name: str, data_dir: str) -> Dataset:
+    return load_dataset(name, data_dir or None)
+
+
+def _partition(job: ClientJob, partition_id: int) -> Dataset:
+    dataset = _dataset(job.dataset, job.data_dir)
+    return cut_partition(dataset, one_partition(dataset, job.partition, job.clients, job.seed, partition_id))
+
+
+def _session(context: Context, job: ClientJob, partition_id: int) -> Session:
+    """The client's session from its node state, or a new one on its first message."""
+    if SESSION in context.state:
+        session: Session = pickle.loads(bytes(context.state[SESSION]["pickle"]))  # our own node state
+        session.attach(_partition(job, partition_id))
+        return session
+    return Session(job, partition_id, job.clients, data=_partition(job, partition_id))
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    instr = parse_instruction(msg.content)
+    job = ClientJob.from_json(instr.job)
+    partition_id = int(context.node_config["partition-id"])
+    check_partition(job, partition_id, int(context.node_config["num-partitions"]))
+    if not instr.asks_for_rounds:
+        return Message(reply_content(TrainReply(partition_id, (), {}, SIMULATION)), reply_to=msg)
+    session = _session(context, job, partition_id)
+    session.take_instruction(instr, now=0.0)
+    while session.can_train():
+        session.train_next()
+    ready = session.take_outbox(now=0.0)
+    context.state[SESSION] = ConfigRecord({"pickle": pickle.dumps(session)})
+    return Message(reply_content(TrainReply(partition_id, tuple(ready), {}, SIMULATION)), reply_to=msg)

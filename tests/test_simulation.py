@@ -1,0 +1,138 @@
+"""``--federation simulation``: Flower's Simulation Engine (real Ray, real ClientApps) running edgefl's own round
+engine and agent session, on the virtual clock of ``netem.clock``."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from contract.run_folder import read_checkpoint, read_rounds
+from contract.settings import ConfigError, build_config
+from edge.devices import device_profile
+from edgefl import cli
+from netem.clock import MESSAGE_FIXED_S, MESSAGE_RTTS, ClientModel, client_models, device_step_s, rate_bps
+from netem.profiles import BUILTIN_LINKS
+from strategies.sampling import Sampler
+from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_first_round
+
+DIGITS = ["--dataset", "digits", "--partition", "iid", "--local-steps", "3"]
+
+
+def test_the_clock_adds_fixed_cost_round_trips_transfer_and_training() -> None:
+    """rural-lte: 100 ms RTT, 1 Mbit/s up, 4 down, 0.5 % loss. TCP's loss bound (Mathis) is
+    1448·8 / 0.1 · √1.5 / √0.005 = 2,006,406 bit/s: it binds down (4 Mbit/s), not up (1 Mbit/s)."""
+    link = BUILTIN_LINKS["rural-lte"]
+    assert rate_bps(link.down, 0.1) == pytest.approx(2_006_406, rel=1e-6)
+    assert rate_bps(link.up, 0.1) == 1e6
+    assert rate_bps(BUILTIN_LINKS["lan"].up, 0.0) == math.inf
+    cycle = ClientModel(link, step_s=0.1).cycle_s(bytes_down=100_000, steps=10, bytes_up=50_000)
+    assert cycle == pytest.approx(0.48 + 5 * 0.1 + 800_000 / 2_006_406 + 0.4 + 1.0, rel=1e-6)
+    assert (MESSAGE_FIXED_S, MESSAGE_RTTS) == (0.48, 5)
+
+
+def test_a_device_is_slower_by_its_share_of_a_core() -> None:
+    rpi4, laptop = device_profile("rpi4"), device_profile("laptop")
+    assert device_step_s(rpi4, 0.01) == pytest.approx(0.01 / rpi4.cpu_fraction)
+    assert device_step_s(laptop, 0.01) == 0.01
+    models = client_models([BUILTIN_LINKS["lan"]] * 2, [rpi4, laptop], 0.01)
+    assert [m.step_s for m in models] == [device_step_s(rpi4, 0.01), 0.01]
+
+
+def test_a_mixed_fleet_repeats_its_lists_over_the_clients() -> None:
+    from netem.fleet import devices_for, links_for
+
+    config = build_config(clients=5, profile="home-wifi,long-distance", device_profile="rpi3,rpi4,laptop")
+    assert [link.name for link in links_for(config)] == ["home-wifi", "long-distance"] * 2 + ["home-wifi"]
+    assert [d.name for d in devices_for(config)] == ["rpi3", "rpi4", "laptop", "rpi3", "rpi4"]
+    with pytest.raises(ConfigError, match="3 device profiles for 2 clients"):
+        devices_for(build_config(clients=2, device_profile="rpi3,rpi4,laptop"))
+
+
+@pytest.mark.federation
+def test_a_simulation_and_a_deployment_train_the_same_global_model(tmp_path: Path, run_dir: Path) -> None:
+    """Same seed, clients and sampling (3 clients, 2 a round), FedAvg: the deployment (SuperLink, SuperNodes, edge
+    agents) and the simulation (Ray actors, sessions kept in Flower's node state) end on the same global model."""
+    common = [*DIGITS, "--clients", "3", "--clients-per-round", "2", "--rounds", "3"]
+    deployed = edgefl("run", *common, "--out", str(tmp_path / "deployed"))
+    assert deployed.returncode == 0, deployed.stderr
+    simulated = edgefl("run", *common, "--federation", "simulation", "--out", str(run_dir))
+    assert simulated.returncode == 0, simulated.stderr
+    a, b = read_checkpoint(tmp_path / "deployed"), read_checkpoint(run_dir)
+    assert a.round == b.round == 3
+    np.testing.assert_array_equal(a.params, b.params)
+    sampler = Sampler(0, 3, 2)
+    assert [r["clients"] for r in read_rounds(run_dir)] == [sorted(sampler.clients(t)) for t in (1, 2, 3)]
+    assert json.loads((run_dir / "summary.json").read_text())["transport"] == "simulation"
+
+
+@pytest.mark.federation
+def test_fedbuff_takes_updates_in_the_order_the_clock_gives_them(run_dir: Path) -> None:
+    """FedBuff, one update a step, a laptop on a LAN beside a Raspberry Pi 3 on an IoT uplink: every message's
+    modelled round trip is the clock's formula for its bytes and steps, and the fast client makes most steps."""
+    done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "8", "--strategy", "fedbuff:1",
+                  "--federation", "simulation", "--profile", "lan,iot-uplink", "--device-profile", "laptop,rpi3",
+                  "--out", str(run_dir))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    models = client_models(
+        [BUILTIN_LINKS["lan"], BUILTIN_LINKS["iot-uplink"]],
+        [device_profile("laptop"), device_profile("rpi3")],
+        summary["clock"]["host_step_s"],
+    )
+    trips = [m for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]]
+    for trip in trips:
+        expected = models[trip["partition"]].cycle_s(trip["bytes_down"], 3 * len(trip["rounds"]), trip["bytes_up"])
+        assert trip["round_trip_s"] == pytest.approx(expected, rel=1e-9)
+    rows = read_rounds(run_dir)
+    assert [r["round"] for r in rows] == list(range(1, 9))
+    fast_steps = sum(r["clients"] == [0] for r in rows)
+    assert fast_steps > 8 - fast_steps
+    assert [r["wall_s"] for r in rows] == sorted(r["wall_s"] for r in rows)
+
+
+@pytest.mark.federation
+def test_a_round_deadline_passes_at_its_modelled_time(run_dir: Path) -> None:
+    """A laptop on a LAN answers in about half a modelled second, a Pi 3 on an IoT uplink in more than six (0.48 s,
+    five 200 ms round trips, ~150 kB up at 0.25 Mbit/s): with a 1 s deadline and a quorum of one, every round
+    closes at its deadline, on the clock, with the laptop's update only — the Pi's arrives late and is refused."""
+    done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "8", "--round-deadline-s", "1", "--quorum", "0.5",
+                  "--federation", "simulation", "--profile", "lan,iot-uplink", "--device-profile", "laptop,rpi3",
+                  "--out", str(run_dir))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = read_rounds(run_dir)
+    assert [(r["clients"], r["closed_by"]) for r in rows] == [([0], "deadline")] * 8
+    assert [r["wall_s"] for r in rows] == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    assert any("late" in rejection["reason"] for r in rows for rejection in r["rejected"])
+
+
+@pytest.mark.federation
+def test_ctrl_c_stops_the_simulation_and_rays_processes(run_dir: Path) -> None:
+    proc = start_edgefl("run", *DIGITS, "--clients", "4", "--rounds", "500", "--federation", "simulation",
+                        "--out", str(run_dir))  # fmt: skip
+    wait_for_first_round(proc, run_dir)
+    running = processes_of(run_dir)
+    assert any("raylet" in line for line in running), running  # Ray's processes carry the run's environment
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not processes_of(run_dir)
+
+
+def test_simulation_bad_input_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    more = edgefl("run", *DIGITS, "--clients", "4", "--clients-per-round", "5", "--federation", "simulation")
+    assert more.returncode == 2 and "more than the run's 4 clients" in more.stderr
+    huge = edgefl("run", *DIGITS, "--clients", "5000", "--federation", "simulation")
+    assert huge.returncode == 2 and "5000 partitions" in huge.stderr and len(huge.stderr.strip().splitlines()) == 1
+    remote_only = edgefl("run", *DIGITS, "--federation", "simulation", "--insecure")
+    assert remote_only.returncode == 2 and "for --federation remote" in remote_only.stderr
+    simulation_only = edgefl("run", *DIGITS, "--clock-step-s", "0.01")
+    assert simulation_only.returncode == 2 and "for --federation simulation" in simulation_only.stderr
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="needs Ray"):
+        cli.preflight(build_config(dataset="digits", partition="iid", federation="simulation"))
