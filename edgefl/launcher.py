@@ -386,7 +386,7 @@ def follow(
         progress(_progress_line(row, config.rounds))
 
 
-def simulate(config: RunConfig, run_dir: Path, logs: Path, progress: Callable[[str], None]) -> None:
+def run_simulated(config: RunConfig, run_dir: Path, logs: Path, progress: Callable[[str], None]) -> None:
     """The run on Flower's Simulation Engine, in a process of its own (``edgefl.simulation``), followed as a
     deployment's server is; stopping it stops Ray's processes too (they are its descendants)."""
     save_config(config, run_dir / "config.toml")
@@ -406,7 +406,7 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
     if not resume:
         shutil.rmtree(logs, ignore_errors=True)
     if config.federation == "simulation":
-        simulate(config, run_dir, logs, progress)
+        run_simulated(config, run_dir, logs, progress)
         return run_dir
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)

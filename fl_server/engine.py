@@ -306,14 +306,13 @@ class ServerLoop:
             return False
         replies = list(self.grid.pull_messages(list(self.outstanding)))
         for reply in replies:
-            self._settle(reply, parsed_reply(reply), self.now())
+            self._settle(reply, parsed_reply(reply), wire_size(reply), self.now())
         return bool(replies)
 
-    def _settle(self, reply: Message, parsed: TrainReply | str | None, pulled_at: float) -> None:
-        """Take a pulled reply (``parsed``: see ``parsed_reply``) and log its message trip."""
+    def _settle(self, reply: Message, parsed: TrainReply | str | None, size: WireSize, pulled_at: float) -> None:
+        """Take a pulled reply (``parsed``: see ``parsed_reply``; ``size``: its ``wire_size``) and log its trip."""
         message_id = reply.metadata.reply_to_message_id
         sent = self.outstanding.pop(message_id)
-        size = wire_size(reply)
         self.traffic.up += size.bytes
         handle = self._identified if sent.identify else self._receive
         updates = handle(sent.node, reply, parsed)

@@ -26,7 +26,7 @@ from contract.messages import TrainReply
 from contract.run_folder import RunFolder
 from contract.settings import RunConfig
 from contract.transport import SIMULATION
-from contract.wire import wire_size
+from contract.wire import WireSize, wire_size
 from fl_server.engine import ServerLoop, parsed_reply
 from ml.data import load_dataset
 from ml.models import build_model
@@ -34,6 +34,7 @@ from ml.trainer import LocalTrainer
 from netem.clock import MESSAGE_FIXED_S, MESSAGE_RTTS, ClientModel, client_models
 from netem.fleet import devices_for, links_for
 from netem.profiles import BUILTIN_LINKS
+from strategies.rounds import ClosedRound
 
 STEP_SAMPLES = 50  # timed local steps (after 5 untimed) that set this host's seconds per step
 
@@ -67,7 +68,8 @@ class SimulatedServerLoop(ServerLoop):
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
         self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s)
         self.clock = 0.0
-        self.arrivals: list[tuple[float, int, Message, Any]] = []  # (modelled arrival, seq, reply, parsed): a heap
+        self.arrivals: list[tuple[float, int, Message, Any, WireSize]] = []  # a heap of (modelled arrival, seq,
+        # reply, parsed reply, its size)
         self.arrived: set[str] = set()
         self.seq = itertools.count()
         self.real_t0 = time.monotonic()
@@ -95,25 +97,25 @@ class SimulatedServerLoop(ServerLoop):
             self.clock = deadline  # the deadline comes first: a round it closes sends the next before `at`
             if self._close_rounds():
                 return True
-        _, _, reply, parsed = heapq.heappop(self.arrivals)
+        _, _, reply, parsed, size = heapq.heappop(self.arrivals)
         self.clock = max(self.clock, at)
         self.arrived.discard(reply.metadata.reply_to_message_id)
-        self._settle(reply, parsed, self.clock)
+        self._settle(reply, parsed, size, self.clock)
         return True
 
     def _arrive(self, reply: Message) -> None:
         """A reply Ray has finished: when it arrives on the clock. Identity answers are taken at once (the clock
         starts with the first round)."""
-        parsed = parsed_reply(reply)
+        parsed, size = parsed_reply(reply), wire_size(reply)
         sent = self.outstanding[reply.metadata.reply_to_message_id]
         if sent.identify:
-            self._settle(reply, parsed, self.clock)
+            self._settle(reply, parsed, size, self.clock)
             return
         steps = len(parsed.updates) * self.config.local_steps if isinstance(parsed, TrainReply) else 0
         partition = self.partition_of[sent.node]
-        at = sent.sent_at + self.models[partition].cycle_s(sent.size.bytes, steps, wire_size(reply).bytes)
+        at = sent.sent_at + self.models[partition].cycle_s(sent.size.bytes, steps, size.bytes)
         self.arrived.add(reply.metadata.reply_to_message_id)
-        heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed))
+        heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
 
-    def _row(self, closed: Any, wall_s: float) -> dict[str, Any]:
+    def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:
         return {**super()._row(closed, wall_s), "real_s": time.monotonic() - self.real_t0}
