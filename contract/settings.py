@@ -61,6 +61,7 @@ class RunConfig:
     server: str = ""  # remote: the SuperLink's HOST:PORT
     root_cert: str = ""  # remote: the CA certificate (PEM) that signed the SuperLink's certificate
     insecure: bool = False  # remote: plain-text connection to a SuperLink started with --insecure
+    connect_timeout_s: float = 30.0  # remote: how long the SuperLink may stay unreachable before the run gives up
     ray_address: str = ""  # simulation: a Ray cluster to join (auto | HOST:PORT); "" starts Ray on this machine
     clock_step_s: float = 0.0  # simulation: the virtual clock's seconds per local step on one core; 0: measure here
     # Parsed once, from the fields above, when the record is made:
@@ -229,6 +230,8 @@ def _check_federation(config: RunConfig) -> None:
         raise ConfigError("--ray-address and --clock-step-s are for --federation simulation")
     if config.clock_step_s < 0:
         raise ConfigError(f"clock-step-s must be positive (or 0: measured), got {config.clock_step_s}")
+    if not config.connect_timeout_s > 0:
+        raise ConfigError(f"connect-timeout must be positive, got {config.connect_timeout_s:g}")
     if config.federation in ("local", "simulation"):
         if config.server or config.root_cert or config.insecure:
             raise ConfigError("--server, --root-cert and --insecure are for --federation remote")

@@ -76,6 +76,8 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     p.add_argument("--server", help="remote: the SuperLink's HOST:PORT")
     p.add_argument("--root-cert", help="remote: the server's CA certificate (ca.pem from edgefl certs)")
     p.add_argument("--insecure", action="store_true", default=None, help="remote: plain text to a --insecure server")
+    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, metavar="S",
+                   help="remote: seconds to wait for an unreachable server (default 30)")  # fmt: skip
     p.add_argument("--aggregate", help="mean (default) | median | trimmed-mean:BETA | krum:F (robust aggregation)")
     p.add_argument("--eval-examples", type=int, help="evaluate the global model on a fixed sample of this many "
                    "test examples (default 0: the whole test split)")  # fmt: skip
@@ -113,6 +115,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "server",
         "root_cert",
         "insecure",
+        "connect_timeout_s",
         "ray_address",
         "clock_step_s",
     )

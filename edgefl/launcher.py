@@ -332,7 +332,7 @@ def submit_remote(config: RunConfig, run_dir: Path, procs: ProcessGroup) -> tupl
     (its ServerApp waits for ``config.clients`` SuperNodes to join) and stream the run's log here: returns
     Flower's run id and the log file, whose echoed results ``follow`` mirrors into ``run_dir``."""
     root_cert = Path(config.root_cert).resolve() if config.root_cert else None
-    reach_superlink(config.server, root_cert)
+    reach_superlink(config.server, root_cert, config.connect_timeout_s)
     run_id = submit(config, run_dir, config.server, root_cert, procs.env, shared=False)
     procs.start(RUN_LOG, ["flwr", "log", run_id, FEDERATION, "--stream"])
     return run_id, procs.log_dir / f"{RUN_LOG}.log"
