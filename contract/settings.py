@@ -229,7 +229,7 @@ def _check_federation(config: RunConfig) -> None:
     if config.federation != "simulation" and (config.ray_address or config.clock_step_s):
         raise ConfigError("--ray-address and --clock-step-s are for --federation simulation")
     if config.clock_step_s < 0:
-        raise ConfigError(f"clock-step-s must be positive (or 0: measured), got {config.clock_step_s}")
+        raise ConfigError(f"clock-step-s must not be negative (0: measured on this host), got {config.clock_step_s}")
     if not config.connect_timeout_s > 0:
         raise ConfigError(f"connect-timeout must be positive, got {config.connect_timeout_s:g}")
     if config.federation in ("local", "simulation"):
