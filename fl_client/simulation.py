@@ -29,11 +29,19 @@ SESSION = "edgefl-session"
 
 
 @lru_cache(maxsize=2)
+def _job(text: str) -> ClientJob:
+    """The run's job, parsed once per worker (every message carries it)."""
+    return ClientJob.from_json(text)
+
+
+@lru_cache(maxsize=2)
 def _dataset(name: str, data_dir: str) -> Dataset:
     return load_dataset(name, data_dir or None)
 
 
+@lru_cache(maxsize=4096)
 def _partition(job: ClientJob, partition_id: int) -> Dataset:
+    """A client's rows, cut once per worker from its copy of the data set (a few MB for a whole split)."""
     dataset = _dataset(job.dataset, job.data_dir)
     return cut_partition(dataset, one_partition(dataset, job.partition, job.clients, job.seed, partition_id))
 
@@ -50,7 +58,7 @@ def _session(context: Context, job: ClientJob, partition_id: int) -> Session:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     instr = parse_instruction(msg.content)
-    job = ClientJob.from_json(instr.job)
+    job = _job(instr.job)
     partition_id = int(context.node_config["partition-id"])
     check_partition(job, partition_id, int(context.node_config["num-partitions"]))
     if not instr.asks_for_rounds:

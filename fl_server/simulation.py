@@ -69,8 +69,7 @@ class SimulatedServerLoop(ServerLoop):
         self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s)
         self.clock = 0.0
         self.arrivals: list[tuple[float, int, Message, Any, WireSize]] = []  # a heap of (modelled arrival, seq,
-        # reply, parsed reply, its size)
-        self.arrived: set[str] = set()
+        # reply, parsed reply, its size): replies Ray has finished that the clock has not reached yet
         self.seq = itertools.count()
         self.real_t0 = time.monotonic()
 
@@ -85,11 +84,12 @@ class SimulatedServerLoop(ServerLoop):
         }
 
     def _pull(self) -> bool:
-        waiting = [msg_id for msg_id in self.outstanding if msg_id not in self.arrived]
+        arrived = {reply.metadata.reply_to_message_id for _, _, reply, _, _ in self.arrivals}
+        waiting = [msg_id for msg_id in self.outstanding if msg_id not in arrived]
         replies = list(self.grid.pull_messages(waiting)) if waiting else []
         for reply in replies:
             self._arrive(reply)
-        if not self.arrivals or len(self.arrived) < len(self.outstanding):
+        if not self.arrivals or len(self.arrivals) < len(self.outstanding):
             return bool(replies)
         at = self.arrivals[0][0]
         deadline = self.engine.deadline_at
@@ -99,7 +99,6 @@ class SimulatedServerLoop(ServerLoop):
                 return True
         _, _, reply, parsed, size = heapq.heappop(self.arrivals)
         self.clock = max(self.clock, at)
-        self.arrived.discard(reply.metadata.reply_to_message_id)
         self._settle(reply, parsed, size, self.clock)
         return True
 
@@ -114,7 +113,6 @@ class SimulatedServerLoop(ServerLoop):
         steps = len(parsed.updates) * self.config.local_steps if isinstance(parsed, TrainReply) else 0
         partition = self.partition_of[sent.node]
         at = sent.sent_at + self.models[partition].cycle_s(sent.size.bytes, steps, size.bytes)
-        self.arrived.add(reply.metadata.reply_to_message_id)
         heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
 
     def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:
