@@ -41,10 +41,9 @@ IDLE_POLL_S = (0.01, 0.25)  # a SuperNode's next pull after an empty one: 10 ms 
 REPLY_POLL_S = 0.005  # the SuperNode checks its own in-memory state for the reply
 RETRY_BACKOFF_S = (0.01, 0.05)  # first retry, then doubling up to the cap: a doubling up to 10 s overshoots an
 # upload that takes seconds over a slow link by up to as long again
-PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was listed is given up as lost. The
-# server pulls replies one after another, so an upload that stalled (its device's link went down) would hold every
-# round until the SuperLink expires it (180 s without progress); our largest message over the slowest profile
-# (iot-uplink, 0.25 Mbit/s up) uploads in well under that.
+PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was listed is given up as lost (stock: the
+# SuperLink's 180 s upload session); our largest message over the slowest profile (iot-uplink, 0.25 Mbit/s up)
+# uploads in well under that. The pull waiting on it runs beside the server's loop (fl_server.engine.ReplyPuller).
 CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 3 objects each way
 STOCK_IDLE_S, STOCK_REPLY_S = 3, 0.5  # the literal sleeps in Flower's SuperNode loop
 

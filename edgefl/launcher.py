@@ -147,19 +147,22 @@ class NodeRuntime:
     port: int
     secret_file: Path
     ready_file: Path  # the agent writes it once its data is loaded
+    held_file: Path  # the task the agent is serving (fl_client.tasks.HeldTask), for the agent that restarts
 
     @classmethod
     def create(cls, folder: Path, name: str) -> NodeRuntime:
-        secret_file, ready_file = folder / f".{name}.secret", folder / f".{name}.ready"
+        secret_file, ready_file, held_file = (folder / f".{name}.{kind}" for kind in ("secret", "ready", "task"))
         secret_file.unlink(missing_ok=True)
         secret_file.touch(mode=0o600)
         secret_file.write_bytes(secrets.token_bytes(32))
         ready_file.unlink(missing_ok=True)
-        return cls(free_port(RUNTIME_HOST), secret_file, ready_file)
+        held_file.unlink(missing_ok=True)  # held for a SuperNode that is gone
+        return cls(free_port(RUNTIME_HOST), secret_file, ready_file, held_file)
 
     def agent_argv(self, *extra: str) -> list[str]:
         return [sys.executable, "-m", "fl_client.node", "--runtime-api", f"{RUNTIME_HOST}:{self.port}",
-                "--secret-file", str(self.secret_file), "--ready-file", str(self.ready_file), *extra]  # fmt: skip
+                "--secret-file", str(self.secret_file), "--ready-file", str(self.ready_file),
+                "--held-task-file", str(self.held_file), *extra]  # fmt: skip
 
 
 def wait_for_superlink(procs: ProcessGroup) -> None:

@@ -5,23 +5,31 @@
 Per task, the calls ``flwr-clientapp`` makes: AcquireTask (signed with the SuperExec secret when the node has
 one) → PullTaskInput, PullMessages, PullObject × n, ConfirmMessageReceived → the ClientApp → PushMessages,
 PushObject × m → PushTaskOutput. A heartbeat keeps the task claimed while the ClientApp works (Flower fails a
-task that sends none for 60 s). The Runtime API listens on the device's loopback only."""
+task that sends none for 60 s). The Runtime API listens on the device's loopback only.
+
+A task whose message this process has pulled is kept on disk (``HeldTask``) until it is answered: an agent that
+died holding one (kill -9, out of memory, a power cut of the agent's container) answers it with an error as soon
+as it is back, so the server sends its model again at once instead of after Flower's 60 s task expiry."""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
 import re
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from flwr.app import Context, Error, Message
 from flwr.app.message import remove_content_from_message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode, SubStatus
-from flwr.common.serde import context_from_proto, context_to_proto, message_to_proto
+from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as MessageProto  # pylint: disable=E0611
 from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
 from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
     AcquireTaskRequest,
@@ -58,6 +66,7 @@ POLL_S = (0.005, 0.1)  # an empty AcquireTask is retried after 5 ms, ×1.5 each 
 RECONNECT_S = 0.5  # the SuperNode is not (yet, or no longer) up
 LOG_PREFIX = "served task "
 INPUT_WAIT_S = 5.0  # the task's message is stored right after the task: wait this long for it at most
+ABANDONED = "the agent restarted while serving this message"
 
 
 @dataclass(frozen=True)
@@ -80,13 +89,47 @@ class TaskTiming:
         return [cls(**json.loads(payload)) for payload in found]
 
 
+@dataclass(frozen=True)
+class HeldTask:
+    """A claimed task whose message this agent pulled: its token, and the message without its content (enough
+    to address a reply to it)."""
+
+    task_id: int
+    token: str
+    message: Message
+
+    def save(self, path: Path) -> None:
+        """Written whole (rename) and readable by this user only: the token answers the task."""
+        proto = message_to_proto(remove_content_from_message(self.message)).SerializeToString()
+        record = {"task_id": self.task_id, "token": self.token, "message": base64.b64encode(proto).decode()}
+        partial = path.with_name(path.name + ".partial")
+        partial.unlink(missing_ok=True)
+        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            json.dump(record, out)
+        partial.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> HeldTask | None:
+        """The task a previous agent held, or None (none, or a record it did not finish writing)."""
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        proto = MessageProto.FromString(base64.b64decode(record["message"]))
+        return cls(record["task_id"], record["token"], message_from_proto(proto))
+
+
 class TaskServer:
     """Claims the tasks of the SuperNode whose Runtime API is at ``address`` (HOST:PORT) and runs ``app`` on
-    each, one at a time, until ``stop`` is set. ``secret``: the SuperNode's SuperExec auth secret, if any."""
+    each, one at a time, until ``stop`` is set. ``secret``: the SuperNode's SuperExec auth secret, if any;
+    ``held_file``: where the task being served is kept (``HeldTask``), None to keep none."""
 
-    def __init__(self, address: str, app: ClientApp, secret: bytes | None = None) -> None:
+    def __init__(
+        self, address: str, app: ClientApp, secret: bytes | None = None, held_file: Path | None = None
+    ) -> None:
         self.address = address
         self.app = app
+        self.held_file = held_file
         interceptors = [RuntimeVersionHttpInterceptor(component_name=COMPONENT)]
         if secret:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE}))
@@ -96,6 +139,7 @@ class TaskServer:
         delay, connected = POLL_S[0], None
         while not stop.is_set():
             try:
+                self.answer_abandoned()
                 served = self.serve_one()
             except httpx.TransportError as exc:
                 if connected is not False:
@@ -120,24 +164,47 @@ class TaskServer:
             return False
         claimed = time.monotonic()
         log.info("claimed task %d", claim.task.task_id)
-        client = RuntimeHttpClient.from_server_address(
-            self.address, True, None,
-            [RuntimeVersionHttpInterceptor(component_name=COMPONENT), RuntimeTokenHttpInterceptor(claim.token)],
-        )  # fmt: skip
+        client = self._task_client(claim.token)
         heartbeat = HeartbeatSender(lambda: _heartbeat(client, claim.task.task_id))
         heartbeat.start()
         try:
-            self._serve(client, claimed)
+            self._serve(client, claim.task.task_id, claim.token, claimed)
         finally:
             heartbeat.stop()
             client.close()
         return True
 
-    def _serve(self, client: RuntimeHttpClient, claimed: float) -> None:
+    def answer_abandoned(self) -> None:
+        """Answer, with an error, the task a previous agent held when it died (``HeldTask``); the SuperNode
+        refuses if it already failed the task itself (60 s without heartbeats)."""
+        held = HeldTask.load(self.held_file) if self.held_file else None
+        if held is None:
+            return
+        client = self._task_client(held.token)
+        try:
+            _push_reply(client, Message(Error(ErrorCode.CLIENT_APP_CRASHED, ABANDONED), reply_to=held.message))
+            _push_output(client, None, SubStatus.FAILED, ABANDONED)
+            log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
+        except httpx.HTTPStatusError as exc:
+            log.warning("the SuperNode no longer holds task %d of the previous agent (%s)", held.task_id, exc)
+        finally:
+            client.close()
+        self.held_file.unlink()
+
+    def _task_client(self, token: str) -> RuntimeHttpClient:
+        """A Runtime API client for the task that ``token`` claims."""
+        return RuntimeHttpClient.from_server_address(
+            self.address, True, None,
+            [RuntimeVersionHttpInterceptor(component_name=COMPONENT), RuntimeTokenHttpInterceptor(token)],
+        )  # fmt: skip
+
+    def _serve(self, client: RuntimeHttpClient, task_id: int, token: str, claimed: float) -> None:
         message = context = None
         status, details = SubStatus.FAILED, "the ClientApp failed"
         try:
             message, context = _pull_input(client)
+            if self.held_file:
+                HeldTask(task_id, token, message).save(self.held_file)
             pulled = time.monotonic()
             reply = self.app(message, context)
             status, details = SubStatus.COMPLETED, ""
@@ -151,7 +218,9 @@ class TaskServer:
             reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, details), reply_to=message)
         answered = time.monotonic()
         try:
-            _push_reply(client, reply, context)
+            _push_reply(client, reply)
+            if self.held_file:
+                self.held_file.unlink()
         finally:
             _push_output(client, context, status, details)
         log.info(TaskTiming(message.metadata.message_id, claimed, pulled, answered, time.monotonic()).log_line())
@@ -195,7 +264,8 @@ def _pull_input(client: RuntimeHttpClient) -> tuple[Message, Context]:
     return message, context
 
 
-def _push_reply(client: RuntimeHttpClient, reply: Message, context: Context) -> None:
+def _push_reply(client: RuntimeHttpClient, reply: Message) -> None:
+    node, run_id = Node(node_id=reply.metadata.src_node_id), reply.metadata.run_id
     reply.metadata.__dict__["_message_id"] = reply.object_id
     with no_object_id_recompute():
         pushed = client.PushMessages(
@@ -206,9 +276,7 @@ def _push_reply(client: RuntimeHttpClient, reply: Message, context: Context) -> 
         )
         push_objects(
             get_all_nested_objects(reply),
-            make_push_object_fn_protobuf(
-                client.PushObject, Node(node_id=context.node_id), context.run_id, pushed.session_id
-            ),
+            make_push_object_fn_protobuf(client.PushObject, node, run_id, pushed.session_id),
             object_ids_to_push=set(pushed.objects_to_push),
             max_concurrent_pushes=CONCURRENCY,
         )

@@ -1,6 +1,7 @@
 """The server's message loop: ``strategies.rounds.RoundEngine`` driven through Flower's non-blocking
 ``push_messages``/``pull_messages`` with a short poll — not ``send_and_receive``, which sleeps 3 s between
-pulls and allows one message per node at a time.
+pulls and allows one message per node at a time. Replies are pulled in background threads (``ReplyPuller``): a
+reply whose upload stalled never holds the loop past a round's deadline.
 
 Closed rounds are evaluated on the held-out test split in a worker thread, which appends the round's row and then
 checkpoints it, so the loop never waits on evaluation before sending the next round; an evaluation that fails
@@ -24,6 +25,7 @@ import dataclasses
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +70,8 @@ from strategies.validation import NormOutlierFilter
 log = logging.getLogger("edgefl.server")
 
 POLL_S = 0.02
+PULL_CALLS = 4  # pull calls at once at most (ReplyPuller)
+PULL_STALLED_S = 2.0  # a pull call this old is waiting on an upload: another may start beside it
 NODE_WAIT_S = 180.0
 NODE_REFRESH_S = 1.0
 EVALUATION_NICE = 19
@@ -154,6 +158,69 @@ class Evaluator:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pulled:
+    """A reply as a pull call took it: parsed (``parsed_reply``), measured, and when (``time.monotonic``)."""
+
+    reply: Message
+    parsed: TrainReply | str | None
+    size: WireSize
+    at: float
+
+
+class ReplyPuller:
+    """Pulls replies in daemon threads, so that the server loop never waits on an upload.
+
+    Flower's SuperLink lists a reply once its message is pushed, before its objects have all arrived; the call
+    that took it then waits for them — up to ``PULL_MAX_S`` when the device froze or lost its link mid-upload.
+    Meanwhile the loop goes on closing rounds at their deadlines, and once every running call is
+    ``PULL_STALLED_S`` old another starts beside them and takes the other replies (one listed with the stalled
+    reply waits with it). The SuperLink lists a reply once, but not atomically: two calls listing at the same
+    moment (one whose listing took seconds, on a starved host) may both take it; the loop settles the first copy
+    only. Daemon threads: a call still waiting does not hold the server's exit."""
+
+    def __init__(self, grid: Grid, calls: int = PULL_CALLS) -> None:
+        self.grid = grid
+        self.calls = calls
+        self._started: dict[int, float] = {}  # running calls: thread id → start
+        self._lock = threading.Lock()
+        self._pulled: queue.SimpleQueue[Pulled | BaseException] = queue.SimpleQueue()
+
+    def poll(self, message_ids: list[str]) -> None:
+        """Start a call that pulls whichever of ``message_ids`` have replies, unless calls are running that are
+        not stalled (or ``calls`` are running)."""
+        now = time.monotonic()
+        with self._lock:
+            running = self._started.values()
+            if len(running) >= self.calls or any(now - start < PULL_STALLED_S for start in running):
+                return
+            thread = threading.Thread(target=self._pull, args=(message_ids,), name="pull", daemon=True)
+            thread.start()
+            self._started[thread.ident] = now
+
+    def take(self) -> list[Pulled]:
+        """The replies pulled since the last call; raises the error of a call that failed."""
+        pulled = []
+        while True:
+            try:
+                item = self._pulled.get_nowait()
+            except queue.Empty:
+                return pulled
+            if isinstance(item, BaseException):
+                raise item
+            pulled.append(item)
+
+    def _pull(self, message_ids: list[str]) -> None:
+        try:
+            for reply in self.grid.pull_messages(message_ids):
+                self._pulled.put(Pulled(reply, parsed_reply(reply), wire_size(reply), time.monotonic()))
+        except BaseException as exc:  # handed to the loop's thread
+            self._pulled.put(exc)
+        finally:
+            with self._lock:
+                del self._started[threading.get_ident()]
+
+
+@dataclasses.dataclass(frozen=True)
 class InFlight:
     """A message the server pushed and awaits the reply to."""
 
@@ -217,6 +284,7 @@ class ServerLoop:
         )
         self.traffic = Traffic()
         self.outstanding: dict[str, InFlight] = {}
+        self.puller = ReplyPuller(grid)
         self.members = Membership()
         self.partition_of: dict[int, int] = {}
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
@@ -302,12 +370,16 @@ class ServerLoop:
         return True
 
     def _pull(self) -> bool:
-        if not self.outstanding:
-            return False
-        replies = list(self.grid.pull_messages(list(self.outstanding)))
-        for reply in replies:
-            self._settle(reply, parsed_reply(reply), wire_size(reply), self.now())
-        return bool(replies)
+        """Settle the replies pulled meanwhile and pull again. A reply to a message no longer outstanding (its
+        node was retired, or a second copy: ``ReplyPuller``) is dropped."""
+        settled = False
+        for p in self.puller.take():
+            if p.reply.metadata.reply_to_message_id in self.outstanding:
+                self._settle(p.reply, p.parsed, p.size, p.at)
+                settled = True
+        if self.outstanding:
+            self.puller.poll(list(self.outstanding))
+        return settled
 
     def _settle(self, reply: Message, parsed: TrainReply | str | None, size: WireSize, pulled_at: float) -> None:
         """Take a pulled reply (``parsed``: see ``parsed_reply``; ``size``: its ``wire_size``) and log its trip."""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from flwr.app import Message, RecordDict
+from flwr.app.metadata import Metadata
 from flwr.proto.runtime_pb2 import AcquireTaskRequest, PushAppMessagesRequest  # pylint: disable=E0611
 from flwr.supercore.constant import TaskType
 from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, SuperExecAuthHttpInterceptor
@@ -19,7 +21,8 @@ from flwr.supercore.runtime import RuntimeHttpClient
 
 from edgefl.launcher import NodeRuntime, _flower_env, supernode_argv
 from edgefl.processes import ProcessGroup, free_port
-from fl_client.tasks import ACQUIRE
+from fl_client.app import app
+from fl_client.tasks import ACQUIRE, HeldTask, TaskServer
 
 pytestmark = pytest.mark.federation
 
@@ -91,3 +94,18 @@ def test_an_agent_started_before_its_supernode_waits_for_it_and_stops_on_sigterm
         agent.terminate()
         agent.wait(timeout=30)
     assert agent.returncode == 0, log.read_text()
+
+
+def test_a_held_task_the_supernode_no_longer_holds_is_dropped(node: NodeRuntime, caplog) -> None:
+    """A restarted agent answers the task its predecessor held (fl_client.tasks.HeldTask) — unless the SuperNode
+    already failed it (60 s without heartbeats) or restarted: then the token is refused and the record dropped."""
+    metadata = Metadata(
+        run_id=1, message_id="a" * 64, src_node_id=1, dst_node_id=2, reply_to_message_id="", group_id="1",
+        created_at=time.time(), ttl=3600, message_type="train",
+    )  # fmt: skip
+    HeldTask(7, "f" * 64, Message(RecordDict(), metadata=metadata)).save(node.held_file)
+    assert HeldTask.load(node.held_file).message.metadata.message_id == "a" * 64
+    assert node.held_file.stat().st_mode & 0o077 == 0  # the token answers the task: this user's only
+    TaskServer(f"127.0.0.1:{node.port}", app, node.secret_file.read_bytes(), node.held_file).answer_abandoned()
+    assert not node.held_file.exists()
+    assert "the SuperNode no longer holds task 7" in caplog.text

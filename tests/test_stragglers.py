@@ -1,20 +1,87 @@
 """A client that stops answering mid-run (its edge agent frozen with SIGSTOP) holds each round only until the
-round's deadline: the run finishes with the others, and the rounds say so."""
+round's deadline: the run finishes with the others, and the rounds say so — also when it froze mid-upload, with
+its reply listed and the server's pull waiting for the rest (``fl_server.engine.ReplyPuller``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from flwr.app import Error, Message, RecordDict
+from flwr.app.metadata import Metadata
 
+from fl_server import engine
+from fl_server.engine import ReplyPuller
 from tests.conftest import processes_of, start_edgefl, wait_for_first_round
 
-pytestmark = pytest.mark.federation
+
+def _reply_to(message_id: str) -> Message:
+    sent = Metadata(
+        run_id=1, message_id=message_id, src_node_id=1, dst_node_id=2, reply_to_message_id="", group_id="1",
+        created_at=time.time(), ttl=3600, message_type="train",
+    )  # fmt: skip
+    return Message(Error(0, "a reply"), reply_to=Message(RecordDict(), metadata=sent))
 
 
+class StalledUploadGrid:
+    """Stands in for Flower's grid (unit test). As the SuperLink does, a reply is listed to one pull call only:
+    the first call takes the reply to "a", whose upload never completes until ``release`` is set; the reply to
+    "b" is there for the next."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.listed: set[str] = set()
+        self.calls = 0
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        self.calls += 1
+        ready = {"a"} if self.calls == 1 else {"b"}
+        taken = sorted(ready.intersection(message_ids) - self.listed)
+        self.listed.update(taken)
+        if "a" in taken:
+            self.release.wait()
+        return [_reply_to(message_id) for message_id in taken]
+
+
+def _take(puller: ReplyPuller, count: int) -> list[str]:
+    taken, deadline = [], time.monotonic() + 10
+    while len(taken) < count:
+        assert time.monotonic() < deadline, f"only {taken} pulled"
+        taken += [p.reply.metadata.reply_to_message_id for p in puller.take()]
+    return taken
+
+
+def test_a_stalled_upload_holds_one_pull_call_not_the_others(monkeypatch) -> None:
+    monkeypatch.setattr(engine, "PULL_STALLED_S", 0.0)
+    grid = StalledUploadGrid()
+    puller = ReplyPuller(grid)
+    puller.poll(["a", "b"])  # lists "a" and waits on its upload
+    while grid.calls < 1:
+        time.sleep(0.001)
+    puller.poll(["a", "b"])  # beside it: takes "b"
+    assert _take(puller, 1) == ["b"]
+    grid.release.set()
+    assert _take(puller, 1) == ["a"]
+
+
+def test_a_failed_pull_is_raised_in_the_loops_thread() -> None:
+    class Gone:
+        def pull_messages(self, message_ids: list[str]) -> list[Message]:
+            raise ConnectionError("the SuperLink is gone")
+
+    puller = ReplyPuller(Gone())
+    puller.poll(["a"])
+    with pytest.raises(ConnectionError, match="SuperLink is gone"):
+        _take(puller, 1)
+
+
+@pytest.mark.federation
 def test_a_silent_client_does_not_stall_the_run(run_dir: Path) -> None:
     proc = start_edgefl(
         "run", "--strategy", "dga:1", "--dataset", "digits", "--partition", "iid", "--clients", "3",
@@ -31,3 +98,6 @@ def test_a_silent_client_does_not_stall_the_run(run_dir: Path) -> None:
     # Frozen after round 1, client 2 can have trained at most D + 1 = 2 rounds ahead of the model it held:
     # the last rounds close at their deadline without it.
     assert all(r["closed_by"] == "deadline" and 2 not in r["clients"] for r in rows[-2:])
+    # Frozen mid-upload, its reply's pull waits up to 60 s (PULL_MAX_S): beside the loop, not in it.
+    walls = [0.0] + [r["wall_s"] for r in rows]
+    assert max(np.diff(walls)) < 20, walls

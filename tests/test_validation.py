@@ -44,7 +44,7 @@ def test_norm_outlier_is_refused_with_the_reason_and_others_pass() -> None:
     assert engine.receive(0, [_contribution(honest[1])]) == []
     [rejection] = engine.receive(1, [_contribution(poisoned)])
     assert rejection.client == 1 and rejection.round == 1
-    assert rejection.reason.startswith("outlier:") and "median" in rejection.reason
+    assert rejection.reason.startswith("outlier:") and "upper quartile" in rejection.reason
     # Just under the bound is accepted: the filter refuses outliers, not large-ish updates.
     borderline = honest[2] / np.linalg.norm(honest[2]) * median * 9
     assert engine.receive(2, [_contribution(borderline)]) == []
@@ -59,6 +59,18 @@ def test_the_history_follows_accepted_norms_only() -> None:
     for _ in range(4):  # honest updates that shrink move the median with them (short history)
         assert check.check(np.full(SIZE, 0.01)) is None
     assert check.check(np.full(SIZE, 1.0)) is not None
+
+
+def test_dgas_alternating_honest_norms_pass_and_a_hundredfold_update_does_not() -> None:
+    """Norms from DGA D = 1, digits, 300 local steps a round (the median of 4 clients in rounds 1–8): a round
+    that continues the client's own model moves it 20x less than the next, which starts from a new average.
+    Round 1 closed with 2 clients, the others with 4 (the median of the history was 0.108 when round 3's 2.063
+    came: refused as a 19x outlier by a median-based bound)."""
+    check = NormOutlierFilter()
+    for round_, norm in enumerate((9.115, 0.108, 2.063, 0.097, 1.369, 0.083, 0.387, 0.069), start=1):
+        for _ in range(2 if round_ == 1 else 4):
+            assert check.check(np.full(SIZE, norm / np.sqrt(SIZE))) is None, (round_, norm)
+    assert check.check(np.full(SIZE, 100 * 2.063 / np.sqrt(SIZE))) is not None
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
