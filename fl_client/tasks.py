@@ -55,6 +55,7 @@ from flwr.supercore.interceptors import (
 )
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.task_identity import TaskIdentity
+from google.protobuf.message import DecodeError
 
 from contract.transport import CONCURRENCY, RETRY_BACKOFF_S
 
@@ -110,13 +111,17 @@ class HeldTask:
 
     @classmethod
     def load(cls, path: Path) -> HeldTask | None:
-        """The task a previous agent held, or None (none, or a record it did not finish writing)."""
+        """The task a previous agent held, or None: none (a record is written whole or not at all), or one that
+        cannot be read (logged)."""
         try:
             record = json.loads(path.read_text())
+            proto = MessageProto.FromString(base64.b64decode(record["message"]))
+            return cls(record["task_id"], record["token"], message_from_proto(proto))
         except FileNotFoundError:
             return None
-        proto = MessageProto.FromString(base64.b64decode(record["message"]))
-        return cls(record["task_id"], record["token"], message_from_proto(proto))
+        except (ValueError, KeyError, TypeError, DecodeError) as exc:
+            log.warning("%s does not hold a task (%s: %s); left unanswered", path, type(exc).__name__, exc)
+            return None
 
 
 class TaskServer:
@@ -136,10 +141,12 @@ class TaskServer:
         self._claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
 
     def serve(self, stop: threading.Event) -> None:
-        delay, connected = POLL_S[0], None
+        delay, connected, abandoned = POLL_S[0], None, self.held_file is not None
         while not stop.is_set():
             try:
-                self.answer_abandoned()
+                if abandoned:
+                    self.answer_abandoned()
+                    abandoned = False
                 served = self.serve_one()
             except httpx.TransportError as exc:
                 if connected is not False:
@@ -172,24 +179,26 @@ class TaskServer:
         finally:
             heartbeat.stop()
             client.close()
+            if self.held_file:  # kept only by an agent that dies serving the task
+                self.held_file.unlink(missing_ok=True)
         return True
 
     def answer_abandoned(self) -> None:
         """Answer, with an error, the task a previous agent held when it died (``HeldTask``); the SuperNode
         refuses if it already failed the task itself (60 s without heartbeats)."""
-        held = HeldTask.load(self.held_file) if self.held_file else None
-        if held is None:
+        if self.held_file is None:
             return
-        client = self._task_client(held.token)
-        try:
-            _push_reply(client, Message(Error(ErrorCode.CLIENT_APP_CRASHED, ABANDONED), reply_to=held.message))
-            _push_output(client, None, SubStatus.FAILED, ABANDONED)
-            log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
-        except httpx.HTTPStatusError as exc:
-            log.warning("the SuperNode no longer holds task %d of the previous agent (%s)", held.task_id, exc)
-        finally:
-            client.close()
-        self.held_file.unlink()
+        if held := HeldTask.load(self.held_file):
+            client = self._task_client(held.token)
+            try:
+                _push_reply(client, Message(Error(ErrorCode.CLIENT_APP_CRASHED, ABANDONED), reply_to=held.message))
+                _push_output(client, None, SubStatus.FAILED, ABANDONED)
+                log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
+            except httpx.HTTPStatusError as exc:
+                log.warning("the SuperNode no longer holds task %d of the previous agent (%s)", held.task_id, exc)
+            finally:
+                client.close()
+        self.held_file.unlink(missing_ok=True)
 
     def _task_client(self, token: str) -> RuntimeHttpClient:
         """A Runtime API client for the task that ``token`` claims."""
@@ -219,7 +228,7 @@ class TaskServer:
         answered = time.monotonic()
         try:
             _push_reply(client, reply)
-            if self.held_file:
+            if self.held_file:  # answered: an agent restarted from here on must not answer it again
                 self.held_file.unlink()
         finally:
             _push_output(client, context, status, details)

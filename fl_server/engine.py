@@ -170,13 +170,15 @@ class Pulled:
 class ReplyPuller:
     """Pulls replies in daemon threads, so that the server loop never waits on an upload.
 
-    Flower's SuperLink lists a reply once its message is pushed, before its objects have all arrived; the call
-    that took it then waits for them — up to ``PULL_MAX_S`` when the device froze or lost its link mid-upload.
-    Meanwhile the loop goes on closing rounds at their deadlines, and once every running call is
-    ``PULL_STALLED_S`` old another starts beside them and takes the other replies (one listed with the stalled
-    reply waits with it). The SuperLink lists a reply once, but not atomically: two calls listing at the same
-    moment (one whose listing took seconds, on a starved host) may both take it; the loop settles the first copy
-    only. Daemon threads: a call still waiting does not hold the server's exit."""
+    Flower's SuperLink lists a reply once its message is pushed, before its objects have all arrived, and forgets
+    the message it answers; the call that took the reply then waits for its objects — up to ``PULL_MAX_S`` when
+    the device froze or lost its link mid-upload. Meanwhile the loop goes on closing rounds at their deadlines,
+    and once every running call is ``PULL_STALLED_S`` old another starts beside them and takes the other replies
+    (one listed with the stalled reply waits with it). To a call beside an older one the SuperLink answers the
+    message the older call holds with "message unavailable": such answers are dropped, the older call brings the
+    reply (a message that is gone indeed is answered so again once no older call runs). Listing is not atomic: two
+    calls listing at one moment may both take a reply, and the loop settles the first copy only. Daemon threads:
+    a call still waiting does not hold the server's exit."""
 
     def __init__(self, grid: Grid, calls: int = PULL_CALLS) -> None:
         self.grid = grid
@@ -193,7 +195,7 @@ class ReplyPuller:
             running = self._started.values()
             if len(running) >= self.calls or any(now - start < PULL_STALLED_S for start in running):
                 return
-            thread = threading.Thread(target=self._pull, args=(message_ids,), name="pull", daemon=True)
+            thread = threading.Thread(target=self._pull, args=(message_ids, bool(running)), name="pull", daemon=True)
             thread.start()
             self._started[thread.ident] = now
 
@@ -209,9 +211,11 @@ class ReplyPuller:
                 raise item
             pulled.append(item)
 
-    def _pull(self, message_ids: list[str]) -> None:
+    def _pull(self, message_ids: list[str], beside_older: bool) -> None:
         try:
             for reply in self.grid.pull_messages(message_ids):
+                if beside_older and reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:
+                    continue  # an older call may hold it
                 self._pulled.put(Pulled(reply, parsed_reply(reply), wire_size(reply), time.monotonic()))
         except BaseException as exc:  # handed to the loop's thread
             self._pulled.put(exc)

@@ -106,6 +106,11 @@ def test_a_held_task_the_supernode_no_longer_holds_is_dropped(node: NodeRuntime,
     HeldTask(7, "f" * 64, Message(RecordDict(), metadata=metadata)).save(node.held_file)
     assert HeldTask.load(node.held_file).message.metadata.message_id == "a" * 64
     assert node.held_file.stat().st_mode & 0o077 == 0  # the token answers the task: this user's only
-    TaskServer(f"127.0.0.1:{node.port}", app, node.secret_file.read_bytes(), node.held_file).answer_abandoned()
+    server = TaskServer(f"127.0.0.1:{node.port}", app, node.secret_file.read_bytes(), node.held_file)
+    server.answer_abandoned()
     assert not node.held_file.exists()
     assert "the SuperNode no longer holds task 7" in caplog.text
+    node.held_file.write_text('{"task_id": 7, "token": "f')  # not ours: the agent starts all the same
+    server.answer_abandoned()
+    assert not node.held_file.exists()
+    assert "does not hold a task (JSONDecodeError" in caplog.text

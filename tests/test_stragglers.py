@@ -15,24 +15,30 @@ import numpy as np
 import pytest
 from flwr.app import Error, Message, RecordDict
 from flwr.app.metadata import Metadata
+from flwr.common.constant import ErrorCode
 
 from fl_server import engine
 from fl_server.engine import ReplyPuller
 from tests.conftest import processes_of, start_edgefl, wait_for_first_round
 
 
-def _reply_to(message_id: str) -> Message:
+def _reply_to(message_id: str, error: Error | None = None) -> Message:
+    """A reply to message ``message_id``: empty content, or ``error``."""
     sent = Metadata(
         run_id=1, message_id=message_id, src_node_id=1, dst_node_id=2, reply_to_message_id="", group_id="1",
         created_at=time.time(), ttl=3600, message_type="train",
     )  # fmt: skip
-    return Message(Error(0, "a reply"), reply_to=Message(RecordDict(), metadata=sent))
+    return Message(error or RecordDict(), reply_to=Message(RecordDict(), metadata=sent))
+
+
+UNAVAILABLE = Error(ErrorCode.MESSAGE_UNAVAILABLE, "Message Unavailable")
 
 
 class StalledUploadGrid:
-    """Stands in for Flower's grid (unit test). As the SuperLink does, a reply is listed to one pull call only:
-    the first call takes the reply to "a", whose upload never completes until ``release`` is set; the reply to
-    "b" is there for the next."""
+    """Stands in for Flower's grid (unit test), as the SuperLink answers: a reply is listed to one pull call, and
+    the message it answers is then forgotten ("message unavailable" to a later call that asks for it). The
+    first call takes the reply to "a", whose upload never completes until ``release`` is set; the reply to "b"
+    is there for the next."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -42,18 +48,19 @@ class StalledUploadGrid:
     def pull_messages(self, message_ids: list[str]) -> list[Message]:
         self.calls += 1
         ready = {"a"} if self.calls == 1 else {"b"}
+        gone = [_reply_to(i, UNAVAILABLE) for i in sorted(self.listed.intersection(message_ids))]
         taken = sorted(ready.intersection(message_ids) - self.listed)
         self.listed.update(taken)
         if "a" in taken:
             self.release.wait()
-        return [_reply_to(message_id) for message_id in taken]
+        return gone + [_reply_to(message_id) for message_id in taken]
 
 
-def _take(puller: ReplyPuller, count: int) -> list[str]:
+def _take(puller: ReplyPuller, count: int) -> list[Message]:
     taken, deadline = [], time.monotonic() + 10
     while len(taken) < count:
         assert time.monotonic() < deadline, f"only {taken} pulled"
-        taken += [p.reply.metadata.reply_to_message_id for p in puller.take()]
+        taken += [p.reply for p in puller.take()]
     return taken
 
 
@@ -64,10 +71,13 @@ def test_a_stalled_upload_holds_one_pull_call_not_the_others(monkeypatch) -> Non
     puller.poll(["a", "b"])  # lists "a" and waits on its upload
     while grid.calls < 1:
         time.sleep(0.001)
-    puller.poll(["a", "b"])  # beside it: takes "b"
-    assert _take(puller, 1) == ["b"]
+    puller.poll(["a", "b"])  # beside it: takes "b"; "a" is the older call's, not unavailable
+    [b] = _take(puller, 1)
+    assert b.metadata.reply_to_message_id == "b" and not b.has_error()
     grid.release.set()
-    assert _take(puller, 1) == ["a"]
+    [a] = _take(puller, 1)
+    assert a.metadata.reply_to_message_id == "a" and not a.has_error()
+    assert puller.take() == []
 
 
 def test_a_failed_pull_is_raised_in_the_loops_thread() -> None:
