@@ -21,6 +21,7 @@ lost and none is applied twice."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -186,6 +187,7 @@ class ReplyPuller:
         self._started: dict[int, float] = {}  # running calls: thread id → start
         self._lock = threading.Lock()
         self._pulled: queue.SimpleQueue[Pulled | BaseException] = queue.SimpleQueue()
+        self._taken: list[Pulled | BaseException] = []  # what wait() took off the queue, for take()
 
     def poll(self, message_ids: list[str]) -> None:
         """Start a call that pulls whichever of ``message_ids`` have replies, unless calls are running that are
@@ -199,17 +201,23 @@ class ReplyPuller:
             thread.start()
             self._started[thread.ident] = now
 
+    def wait(self, timeout_s: float) -> None:
+        """Return once a reply is pulled (or a call failed), or after ``timeout_s``: the loop's idle wait."""
+        with contextlib.suppress(queue.Empty):
+            self._taken.append(self._pulled.get(timeout=timeout_s))
+
     def take(self) -> list[Pulled]:
         """The replies pulled since the last call; raises the error of a call that failed."""
-        pulled = []
+        items, self._taken = self._taken, []
         while True:
             try:
-                item = self._pulled.get_nowait()
+                items.append(self._pulled.get_nowait())
             except queue.Empty:
-                return pulled
+                break
+        for item in items:
             if isinstance(item, BaseException):
                 raise item
-            pulled.append(item)
+        return items  # type: ignore[return-value]
 
     def _pull(self, message_ids: list[str], beside_older: bool) -> None:
         try:
@@ -314,7 +322,7 @@ class ServerLoop:
                 self._close_rounds()
                 self.evaluator.check()
                 if not busy:
-                    time.sleep(POLL_S)
+                    self.puller.wait(POLL_S)
         finally:
             self.evaluator.close()
         self.evaluator.export(self.engine.global_params)
@@ -347,7 +355,7 @@ class ServerLoop:
                 )
             self._refresh_nodes()
             if not (self._push() | self._pull()):
-                time.sleep(POLL_S)
+                self.puller.wait(POLL_S)
 
     def _refresh_nodes(self) -> None:
         """Retire the admitted nodes that left (their messages in flight are dropped, never counted); new ones are

@@ -59,11 +59,28 @@ def test_only_a_claim_signed_with_the_nodes_secret_is_served(node: NodeRuntime) 
         assert refused.value.response.status_code in (401, 403)
 
 
-def test_a_reply_under_a_task_token_nobody_claimed_is_refused(node: NodeRuntime) -> None:
+def test_a_reply_under_a_task_token_nobody_claimed_is_refused(node: NodeRuntime, caplog) -> None:
+    """Also what a restarted agent does with the task its predecessor held (fl_client.tasks.HeldTask) when the
+    SuperNode already failed it (60 s without heartbeats) or restarted: its token is refused, the record dropped."""
     client = _client(node.port, RuntimeTokenHttpInterceptor("f" * 64))
     with pytest.raises(httpx.HTTPStatusError) as refused:
         client.PushMessages(PushAppMessagesRequest())
     assert refused.value.response.status_code in (401, 403)
+    metadata = Metadata(
+        run_id=1, message_id="a" * 64, src_node_id=1, dst_node_id=2, reply_to_message_id="", group_id="1",
+        created_at=time.time(), ttl=3600, message_type="train",
+    )  # fmt: skip
+    HeldTask(7, "f" * 64, Message(RecordDict(), metadata=metadata)).save(node.held_file)
+    assert HeldTask.load(node.held_file).message.metadata.message_id == "a" * 64
+    assert node.held_file.stat().st_mode & 0o077 == 0  # the token answers the task: this user's only
+    server = TaskServer(f"127.0.0.1:{node.port}", app, node.secret_file.read_bytes(), node.held_file)
+    server.answer_abandoned()
+    assert not node.held_file.exists()
+    assert "the SuperNode no longer holds task 7" in caplog.text
+    node.held_file.write_text('{"task_id": 7, "token": "f')  # not ours: the agent starts all the same
+    server.answer_abandoned()
+    assert not node.held_file.exists()
+    assert "does not hold a task (JSONDecodeError" in caplog.text
 
 
 def test_the_runtime_api_listens_on_the_devices_loopback_only(node: NodeRuntime) -> None:
@@ -94,23 +111,3 @@ def test_an_agent_started_before_its_supernode_waits_for_it_and_stops_on_sigterm
         agent.terminate()
         agent.wait(timeout=30)
     assert agent.returncode == 0, log.read_text()
-
-
-def test_a_held_task_the_supernode_no_longer_holds_is_dropped(node: NodeRuntime, caplog) -> None:
-    """A restarted agent answers the task its predecessor held (fl_client.tasks.HeldTask) — unless the SuperNode
-    already failed it (60 s without heartbeats) or restarted: then the token is refused and the record dropped."""
-    metadata = Metadata(
-        run_id=1, message_id="a" * 64, src_node_id=1, dst_node_id=2, reply_to_message_id="", group_id="1",
-        created_at=time.time(), ttl=3600, message_type="train",
-    )  # fmt: skip
-    HeldTask(7, "f" * 64, Message(RecordDict(), metadata=metadata)).save(node.held_file)
-    assert HeldTask.load(node.held_file).message.metadata.message_id == "a" * 64
-    assert node.held_file.stat().st_mode & 0o077 == 0  # the token answers the task: this user's only
-    server = TaskServer(f"127.0.0.1:{node.port}", app, node.secret_file.read_bytes(), node.held_file)
-    server.answer_abandoned()
-    assert not node.held_file.exists()
-    assert "the SuperNode no longer holds task 7" in caplog.text
-    node.held_file.write_text('{"task_id": 7, "token": "f')  # not ours: the agent starts all the same
-    server.answer_abandoned()
-    assert not node.held_file.exists()
-    assert "does not hold a task (JSONDecodeError" in caplog.text
