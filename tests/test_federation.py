@@ -135,7 +135,7 @@ def _steps_lasting(seconds: float) -> int:
 def test_a_round_longer_than_flowers_task_heartbeat_timeout_completes(run_dir: Path) -> None:
     """Flower fails a task that sends no heartbeat for 60 s; the agent's task heartbeats keep a long one alive."""
     timeout_s = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL
-    steps = _steps_lasting(1.3 * timeout_s)  # a clean-clone CI run trained 14 % faster than timed here
+    steps = _steps_lasting(1.6 * timeout_s)  # clean-clone CI runs trained up to 23 % faster than timed here
     args = ["--dataset", "digits", "--partition", "iid", "--clients", "1", "--rounds", "1", "--local-steps", str(steps)]
     done = edgefl("run", *args, "--eval-examples", "100", "--out", str(run_dir))
     assert done.returncode == 0, done.stderr
