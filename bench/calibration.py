@@ -4,9 +4,10 @@ The main job's settings (``edgefl compare``: Fashion-MNIST, dirichlet:0.3, 4 cli
 cosine learning rate, target 0.78), FedAvg and DGA:2, over home-wifi and long-distance, on emulated Raspberry Pi
 4s (``--device-profile rpi4``: each agent capped at its share of one core, so the four never contend for this
 host's two cores, as the clock assumes of devices). First every run on the namespaced testbed, then every run on
-Flower's Simulation Engine; per run, seconds per round and time to target, real and modelled, and the error.
-Then where a message cycle's time goes on the testbed (the agents' task timings, ``fl_client.tasks``) against the
-clock's terms, and how far apart the replies that close a round arrive.
+Flower's Simulation Engine, the clock's unit measured once for the four (one device on one host); per run,
+seconds per round and time to target, real and modelled, and the error. Then where a message cycle's time goes
+on the testbed (the agents' task timings, ``fl_client.tasks``) against the clock's terms, and how far apart the
+replies that close a round arrive.
 
     python bench/calibration.py [--device-profile rpi4] [--rounds 20] [--rerun local,simulation]
 """
@@ -29,6 +30,7 @@ from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES, DEFAULTS, compa
 from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run
 from fl_client.tasks import TaskTiming
+from fl_server.simulation import host_step_s
 
 AIM = 0.20  # |modelled / real − 1| the issue asks for
 
@@ -49,8 +51,11 @@ def main() -> int:
         outs[federation] = args.out / federation
         if federation not in args.rerun.split(","):
             continue
-        base = build_config(None, DEFAULTS, federation=federation, device_profile=args.device_profile,
-                            rounds=args.rounds, out=str(outs[federation]))  # fmt: skip
+        settings = {"federation": federation, "device_profile": args.device_profile, "rounds": args.rounds}
+        if federation == "simulation":
+            settings["clock_step_s"] = host_step_s(build_config(None, DEFAULTS, **settings))
+            print(f"the clock's unit: {settings['clock_step_s'] * 1000:.2f} ms a local step on one core", flush=True)
+        base = build_config(None, DEFAULTS, **settings, out=str(outs[federation]))
         print(f"== {federation} ==", flush=True)
         compare(base, strategies, profiles)
     rows, figures, errors, budget_rows = [], {}, [], []

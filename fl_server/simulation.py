@@ -2,12 +2,12 @@
 ``edgefl.simulation``): the deployment's server loop, round engine, strategies and codecs, on a virtual clock.
 
 The clock: the server keeps a modelled time instead of this host's. A message pushed at time s to partition j is
-answered at s + ``netem.clock.ClientModel.cycle_s`` of j's link and device, its bytes each way and the local steps
-its reply trained. Replies are taken in that order, not in the order Ray finishes them: a reply is taken once
-every message in flight has been answered (none can then arrive earlier, since a message sent later is answered
-later), so asynchronous strategies (DGA, FedBuff) see the arrival order the links and devices imply, and a round's
-deadline passes at its modelled time. rounds.jsonl's ``wall_s`` and the summary's times are modelled seconds;
-``real_s`` in each row is this host's.
+answered at s + ``netem.clock.ClientModel.cycle_s`` of j's link and device, its bytes each way, the local steps
+its reply trained and how many cycles j made before. Replies are taken in that order, not in the order Ray
+finishes them: a reply is taken once every message in flight has been answered (none can then arrive earlier,
+since a message sent later is answered later), so asynchronous strategies (DGA, FedBuff) see the arrival order the
+links and devices imply, and a round's deadline passes at its modelled time. rounds.jsonl's ``wall_s`` and the
+summary's times are modelled seconds; ``real_s`` in each row is this host's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from fl_server.engine import ServerLoop, parsed_reply
 from ml.data import load_dataset
 from ml.models import build_model
 from ml.trainer import LocalTrainer
-from netem.clock import MESSAGE_FIXED_S, MESSAGE_RTTS, ClientModel, client_models
+from netem.clock import MESSAGE_FIXED_S, MESSAGE_RTTS, POOLED_CONNECTIONS, ClientModel, client_models
 from netem.fleet import devices_for, links_for
 from netem.profiles import BUILTIN_LINKS
 from strategies.rounds import ClosedRound
@@ -67,6 +68,7 @@ class SimulatedServerLoop(ServerLoop):
         self.step_s = step_s
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
         self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s)
+        self.cycles: Counter[int] = Counter()  # partition → message cycles it made (the first pay slow start)
         self.clock = 0.0
         self.arrivals: list[tuple[float, int, Message, Any, WireSize]] = []  # a heap of (modelled arrival, seq,
         # reply, parsed reply, its size): replies Ray has finished that the clock has not reached yet
@@ -79,7 +81,12 @@ class SimulatedServerLoop(ServerLoop):
     def summary_extra(self) -> dict[str, Any]:
         return {
             "transport": SIMULATION,
-            "clock": {"host_step_s": self.step_s, "message_fixed_s": MESSAGE_FIXED_S, "message_rtts": MESSAGE_RTTS},
+            "clock": {
+                "host_step_s": self.step_s,
+                "message_fixed_s": MESSAGE_FIXED_S,
+                "message_rtts": MESSAGE_RTTS,
+                "pooled_connections": POOLED_CONNECTIONS,
+            },
             "real_s": time.monotonic() - self.real_t0,
         }
 
@@ -112,7 +119,9 @@ class SimulatedServerLoop(ServerLoop):
             return
         steps = len(parsed.updates) * self.config.local_steps if isinstance(parsed, TrainReply) else 0
         partition = self.partition_of[sent.node]
-        at = sent.sent_at + self.models[partition].cycle_s(sent.size.bytes, steps, size.bytes)
+        cycle_index = self.cycles[partition]
+        self.cycles[partition] += 1
+        at = sent.sent_at + self.models[partition].cycle_s(sent.size.bytes, steps, size.bytes, cycle_index)
         heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
 
     def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:

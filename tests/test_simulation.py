@@ -8,6 +8,7 @@ import math
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,16 @@ from contract.run_folder import read_checkpoint, read_rounds
 from contract.settings import ConfigError, build_config
 from edge.devices import device_profile
 from edgefl import cli
-from netem.clock import MESSAGE_FIXED_S, MESSAGE_RTTS, ClientModel, client_models, device_step_s, rate_bps
+from netem.clock import (
+    MESSAGE_FIXED_S,
+    MESSAGE_RTTS,
+    POOLED_CONNECTIONS,
+    ClientModel,
+    client_models,
+    device_step_s,
+    rate_bps,
+    slow_start_s,
+)
 from netem.profiles import BUILTIN_LINKS
 from strategies.sampling import Sampler
 from tests.conftest import edgefl, processes_of, start_edgefl
@@ -32,9 +42,24 @@ def test_the_clock_adds_fixed_cost_round_trips_transfer_and_training() -> None:
     assert rate_bps(link.down, 0.1) == pytest.approx(2_006_406, rel=1e-6)
     assert rate_bps(link.up, 0.1) == 1e6
     assert rate_bps(BUILTIN_LINKS["lan"].up, 0.0) == math.inf
-    cycle = ClientModel(link, step_s=0.1).cycle_s(bytes_down=100_000, steps=10, bytes_up=50_000)
+    cycle = ClientModel(link, step_s=0.1).cycle_s(bytes_down=100_000, steps=10, bytes_up=50_000, cycle_index=3)
     assert cycle == pytest.approx(0.48 + 5 * 0.1 + 800_000 / 2_006_406 + 0.4 + 1.0, rel=1e-6)
     assert (MESSAGE_FIXED_S, MESSAGE_RTTS) == (0.48, 5)
+
+
+def test_slow_start_costs_a_model_round_trips_where_the_path_holds_more_than_the_initial_window() -> None:
+    """IW = 10 · 1448 = 14,480 B, doubling: 14,480 + 28,960 + 57,920 + 115,840 = 217,200 B go in 4 round trips
+    before the rest of a 424 kB model (206,800 B) fits the next window (231,680 B)."""
+    assert slow_start_s(424_000, math.inf, 0.3) == pytest.approx(4 * 0.3)
+    # 30 Mbit/s: the 4 round trips carried 217,200 B that a warm window sends at the rate anyway
+    assert slow_start_s(424_000, 30e6, 0.3) == pytest.approx(1.2 - 8 * 217_200 / 30e6)
+    # the path holds less than the initial window (home-wifi: 30 Mbit/s · 2 ms = 7.5 kB), or one window is enough
+    assert slow_start_s(424_000, 30e6, 0.002) == 0.0
+    assert slow_start_s(10_000, math.inf, 0.3) == 0.0
+    assert slow_start_s(424_000, math.inf, 0.0) == 0.0
+    long_distance = ClientModel(BUILTIN_LINKS["long-distance"], step_s=0.05)
+    cycles = [long_distance.cycle_s(424_000, 20, 424_000, cycle_index=i) for i in range(POOLED_CONNECTIONS + 1)]
+    assert cycles[:-1] == [pytest.approx(cycles[-1] + 2 * 1.2)] * POOLED_CONNECTIONS
 
 
 def test_a_device_is_slower_by_its_share_of_a_core() -> None:
@@ -91,9 +116,12 @@ def test_fedbuff_takes_updates_in_the_order_the_clock_gives_them_and_ctrl_c_stop
     models = client_models(
         [BUILTIN_LINKS["lan"], BUILTIN_LINKS["iot-uplink"]], [device_profile("laptop"), device_profile("rpi3")], 0.01
     )
-    trips = [m for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]]
+    trips = sorted((m for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]), key=lambda m: m["sent_at"])
+    made = Counter()
     for trip in trips:
-        expected = models[trip["partition"]].cycle_s(trip["bytes_down"], 3 * len(trip["rounds"]), trip["bytes_up"])
+        index, made[trip["partition"]] = made[trip["partition"]], made[trip["partition"]] + 1
+        steps = 3 * len(trip["rounds"])
+        expected = models[trip["partition"]].cycle_s(trip["bytes_down"], steps, trip["bytes_up"], cycle_index=index)
         assert trip["round_trip_s"] == pytest.approx(expected, rel=1e-9)
     rows = read_rounds(run_dir)[:8]
     assert [r["round"] for r in rows] == list(range(1, 9))
