@@ -20,7 +20,7 @@ from pathlib import Path
 from results import write_result
 
 from edgefl.processes import interrupt_on_signals
-from netem.profiles import resolve_links
+from netem.profiles import Link, LinkError, resolve_links
 from netem.testbed import SERVER_IP, Testbed
 
 PORT = 7791
@@ -60,11 +60,19 @@ def main() -> int:
     parser.add_argument("--bytes", type=int, default=424_000, help="a burst (edgefl's model message: ~424 kB)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-idle-transfer"))
     args = parser.parse_args()
+    try:
+        links = resolve_links(args.profile, 1)
+    except LinkError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.bytes <= 0:
+        print(f"error: --bytes must be positive, got {args.bytes}", file=sys.stderr)
+        return 2
     interrupt_on_signals()
     rows, figures = [], {}
     for setting in (1, 0):
         print(f"tcp_slow_start_after_idle={setting} ...", flush=True)
-        times = _transfers(args.profile, args.bytes, setting)
+        times = _transfers(links, args.bytes, setting)
         after_idle = [seconds for spell, seconds in times[1:] if spell >= 3.0]
         first, median, worst = times[0][1], statistics.median(after_idle), max(after_idle)
         figures[f"slow_start_after_idle_{setting}"] = {
@@ -83,9 +91,9 @@ def main() -> int:
     return 0
 
 
-def _transfers(profile: str, size: int, slow_start_after_idle: int) -> list[tuple[float, float]]:
+def _transfers(links: list[Link], size: int, slow_start_after_idle: int) -> list[tuple[float, float]]:
     """(idle spell, seconds for the burst up and back) for each spell of ``IDLE_S``."""
-    with Testbed(resolve_links(profile, 1), tag=f"idle{os.getpid() % 100000}") as bed:
+    with Testbed(links, tag=f"idle{os.getpid() % 100000}") as bed:
         for ns in (bed.server_ns, bed.client_ns[0]):
             sysctl = ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={slow_start_after_idle}"]
             subprocess.run(bed.netns_argv(ns, sysctl), check=True)

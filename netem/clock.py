@@ -61,7 +61,7 @@ def slow_start_s(size_bytes: int, rate: float, rtt_s: float) -> float:
     window, sent, trips = INITIAL_WINDOW_BYTES, 0, 0
     while sent + window < size_bytes and window < bdp_bytes:
         sent, window, trips = sent + window, 2 * window, trips + 1
-    return trips * rtt_s - (8 * sent / rate if sent else 0.0)
+    return trips * rtt_s - 8 * sent / rate
 
 
 @dataclass(frozen=True)
