@@ -48,7 +48,7 @@ def simulate(config: RunConfig, lr_at: Callable[[int], float] | None = None, eva
     job = config.client_job()
     clients = [Session(job, j, config.clients) for j in range(config.clients)]
     dataset = load_dataset(config.dataset, config.data_dir or None)
-    model = build_model(dataset, config.seed)
+    model = build_model(dataset, config.seed, config.model)
     history = {0: get_flat_params(model)}
     broadcaster = BroadcastEncoder(config.downlink_spec, history[0], clients[0].layout, config.seed)
     for client in clients:

@@ -36,3 +36,4 @@ class TrainReply:
     updates: tuple[Update, ...]
     health: dict[str, Any] = field(default_factory=dict)  # edge.health.health_snapshot()
     transport: str = "stock"  # contract.transport: how this device's SuperNode moves messages
+    held_s: float = 0.0  # how long the agent held the message before answering (training, waiting for an update)

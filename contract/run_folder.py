@@ -15,6 +15,7 @@ import base64
 import json
 import math
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,10 @@ class MessageTrip:
     """One message round trip, a row of ``messages.jsonl``. ``sent_at`` is the server host's monotonic clock when
     the push began (as in the agents' ``task`` log lines, which name the same ``message_id``); ``round_trip_s``
     lasts until the reply was pulled; ``train_s`` is the client's training for the updates it carried;
-    ``objects_*`` count Flower objects, one HTTP request each over the link."""
+    ``held_s`` how long the client held the message before answering it (training, waiting for an update);
+    ``path_s`` = ``round_trip_s`` − ``held_s``, the message path R: links, Flower's transfers and the device's
+    side of taking and sending a message; ``objects_*`` count Flower objects, one HTTP request each over the
+    link."""
 
     message_id: str
     node: int
@@ -97,6 +101,8 @@ class MessageTrip:
     sent_at: float
     round_trip_s: float
     train_s: float
+    held_s: float
+    path_s: float
     rounds: list[int]
     bytes_down: int
     bytes_up: int
@@ -176,19 +182,35 @@ def load_checkpoint(run_dir: Path) -> tuple[int, np.ndarray]:
     return checkpoint.round, checkpoint.params
 
 
-def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run in one object; ``config`` is the resolved config as a dict. ``time_to_target_s`` and
-    ``bytes_to_target`` (up + down, all clients) are measured through the first round whose accuracy reaches
-    ``target_accuracy``; None when no round does."""
-    accuracies = [r["test_accuracy"] for r in rows]
+def regime(trips: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The regime a run measured, from its ``messages.jsonl`` rows: R, the message path (``message_path_s``: the
+    median ``path_s`` of the messages that carried training), and T, a round's training on a client
+    (``round_train_s``: the median of their ``train_s`` per round carried). R/T is what decides what DGA can gain
+    (``strategies.dga.regime_bounds``). None when no message carried training."""
+    carried = [t for t in trips if t["train_s"] > 0]
+    if not carried:
+        return {"message_path_s": None, "round_train_s": None}
+    return {
+        "message_path_s": statistics.median(t["path_s"] for t in carried),
+        "round_train_s": statistics.median(t["train_s"] / max(1, len(t["rounds"])) for t in carried),
+    }
+
+
+def summarize(config: dict[str, Any], rows: list[dict[str, Any]], trips: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run in one object; ``config`` is the resolved config as a dict, ``rows`` and ``trips`` its rounds.jsonl
+    and messages.jsonl. ``time_to_target_s`` and ``bytes_to_target`` (up + down, all clients) are measured through
+    the first round whose accuracy reaches ``target_accuracy``; None when no round does."""
+    evaluated = [r for r in rows if r["test_accuracy"] is not None]
+    accuracies = [r["test_accuracy"] for r in evaluated]
     wall = rows[-1]["wall_s"] if rows else 0.0
     target = config.get("target_accuracy")
-    reached = [i for i, r in enumerate(rows) if target is not None and r["test_accuracy"] >= target]
+    reached = [i for i, r in enumerate(rows) if target is not None and (r["test_accuracy"] or 0) >= target]
     first = reached[0] if reached else None
     steps = sum(len(r["clients"]) for r in rows) * config["local_steps"]
     return {
         "strategy": config["strategy"],
         "dataset": config["dataset"],
+        "model": config["model"],
         "partition": config["partition"],
         "clients": config["clients"],
         "rounds": len(rows),
@@ -196,9 +218,9 @@ def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
         "compress": config["compress"],
         "compress_down": config["compress_down"],
         "seed": config["seed"],
-        "final_accuracy": accuracies[-1] if rows else None,
-        "best_accuracy": max(accuracies) if rows else None,
-        "final_loss": rows[-1]["test_loss"] if rows else None,
+        "final_accuracy": accuracies[-1] if accuracies else None,
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "final_loss": evaluated[-1]["test_loss"] if evaluated else None,
         "wall_clock_s": wall,
         "seconds_per_round": wall / len(rows) if rows else None,
         "rounds_per_hour": 3600 * len(rows) / wall if wall > 0 else None,
@@ -211,6 +233,9 @@ def summarize(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
         "rejected_updates": sum(len(r["rejected"]) for r in rows),
         "link_profile": config["profile"],
         "link_backend": config["link_backend"],
+        "device_profile": config["device_profile"],
+        "device_backend": config["device_backend"],
+        **regime(trips),
     }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import tomli_w
 
 from contract.errors import EdgeflError
+from ml.catalog import ModelError, check_model_for
 from strategies.codecs import CodecSpec, parse_codec
 from strategies.sampling import Sampler, parse_clients_per_round
 from strategies.spec import Spec, StrategySpec, parse_aggregate, parse_strategy
@@ -33,6 +34,7 @@ class ConfigError(EdgeflError, ValueError):
 class RunConfig:
     strategy: str = "fedavg"
     dataset: str = "fashion-mnist"
+    model: str = "auto"  # a name in ml.catalog.MODELS, or auto: the data set's small model
     partition: str = "dirichlet:0.3"
     clients: int = 4
     clients_per_round: str = "all"  # all | a count M | a fraction of the clients (strategies.sampling)
@@ -49,7 +51,8 @@ class RunConfig:
     profile: str = "loopback"
     profiles_file: str = ""
     device_profile: str = "laptop"
-    link_backend: str = "loopback"
+    link_backend: str = "loopback"  # recorded by the launcher: how the links were emulated
+    device_backend: str = "none"  # recorded by the launcher: how the devices were emulated (edgefl.launcher)
     compress: str = "none"
     compress_down: str = "none"  # codec of the global model's deltas sent to clients (strategies.downlink)
     quorum: float = 0.5
@@ -57,6 +60,7 @@ class RunConfig:
     port: int = 0
     aggregate: str = "mean"  # mean | median | trimmed-mean:BETA | krum:F (fl_server.robust)
     eval_examples: int = 0  # server-side evaluation on this many test examples (a fixed sample); 0 = all
+    eval_every: int = 1  # evaluate the global model every this many rounds (and after the last)
     federation: str = "local"  # local: this machine starts every process | remote: submit to a running SuperLink
     server: str = ""  # remote: the SuperLink's HOST:PORT
     root_cert: str = ""  # remote: the CA certificate (PEM) that signed the SuperLink's certificate
@@ -90,6 +94,10 @@ class RunConfig:
     def name(self) -> str:
         return Path(self.out).name
 
+    def evaluates(self, round_: int) -> bool:
+        """Whether the global model after ``round_`` is evaluated: every ``eval_every`` rounds and the last."""
+        return round_ % self.eval_every == 0 or round_ >= self.rounds
+
     def as_dict(self) -> dict[str, Any]:
         """The settings as written (keys with underscores), without the parsed specs."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
@@ -97,7 +105,7 @@ class RunConfig:
     def client_job(self) -> ClientJob:
         """What every client needs to know to train this run."""
         return ClientJob(
-            run=self.name, dataset=self.dataset, data_dir=self.data_dir, partition=self.partition,
+            run=self.name, dataset=self.dataset, model=self.model, data_dir=self.data_dir, partition=self.partition,
             clients=self.clients, clients_per_round=self.per_round, seed=self.seed, rounds=self.rounds,
             local_steps=self.local_steps, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
             lr_schedule=self.lr_schedule, delay=self.strategy_spec.delay, correction=self.strategy_spec.correction,
@@ -119,6 +127,7 @@ class ClientJob:
 
     run: str
     dataset: str
+    model: str  # ml.catalog: a model name, or auto
     data_dir: str
     partition: str
     clients: int  # the run's number of partitions: a device of another split is refused
@@ -187,6 +196,12 @@ def _check(config: RunConfig) -> RunConfig:
         raise ConfigError(f"momentum must be in [0, 1), got {config.momentum}")
     if config.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"unknown lr-schedule {config.lr_schedule!r}; use {' or '.join(LR_SCHEDULES)}")
+    try:
+        check_model_for(config.model, config.dataset)
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.eval_every < 1:
+        raise ConfigError(f"eval-every must be at least 1, got {config.eval_every}")
     if config.eval_examples < 0:
         raise ConfigError(f"eval-examples must be 0 (all) or positive, got {config.eval_examples}")
     if config.target_accuracy is not None and not 0 < config.target_accuracy <= 1:

@@ -11,6 +11,12 @@ behaviour. Each row is a wait in Flower's own code that a message round trip pay
 | is listed before its upload completes)               | 500 tries or 2 h         | 60 s at most (PULL_MAX_S)      |
 | objects pulled or pushed in parallel                 | min(2, cores)            | 8 (CONCURRENCY)                |
 
+And one change of order: Flower's SuperNode pulls one message, then waits until its reply exists and pushes it
+before it pulls the next — one message in flight per node. edgefl's SuperNode pulls every message queued for it
+and pushes each reply as soon as it exists (``_Pipeline``), so the agent holds several messages at once and
+answers each when it has an update ready (``edge.agent``): DGA's updates leave as they are trained, not in
+bundles behind one message.
+
 The SuperNode (``python -m fl_client.supernode``) and edgefl's ServerApp call ``tune()`` before Flower moves a
 message. It changes nothing unless the installed flwr is ``FLWR_VERSION`` and the source of every function it
 changes hashes to what was read when these values were chosen; otherwise — or with ``EDGEFL_TRANSPORT=stock``
@@ -46,6 +52,7 @@ PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was li
 # uploads in well under that. The pull waiting on it runs beside the server's loop (fl_server.engine.ReplyPuller).
 CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 3 objects each way
 STOCK_IDLE_S, STOCK_REPLY_S = 3, 0.5  # the literal sleeps in Flower's SuperNode loop
+NO_RUN = 0  # what the pipelined pull reports when there was no message: not None, so the loop goes on to push
 
 # sha256 (first 16 hex digits) of inspect.getsource of each function whose behaviour changes, in flwr 1.41.0
 EXPECTED_SOURCE = {
@@ -100,9 +107,55 @@ class _IdleBackoff:
     def received(self) -> None:
         self.delay = IDLE_POLL_S[0]
 
+    def grow(self) -> None:
+        self.delay = min(self.delay * 1.5, IDLE_POLL_S[1])
+
     def wait(self) -> None:
         time.sleep(self.delay)
-        self.delay = min(self.delay * 1.5, IDLE_POLL_S[1])
+        self.grow()
+
+
+class _Prefetched:
+    """A NodeState whose reply listing was already taken: ``_Pipeline`` lists the replies first (listing marks
+    them taken) and hands Flower's ``_push_messages`` the same list, so that it never waits for one."""
+
+    def __init__(self, state: Any, replies: list[Any]) -> None:
+        self._state, self._replies = state, replies
+
+    def get_messages_legacy(self, **_: Any) -> list[Any]:
+        return self._replies
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+class _Pipeline:
+    """The SuperNode's loop (``start_client_internal``: pull a message, then ``_push_messages``, which waits for
+    its reply) made to pull and push independently: the pull reports a message even when there was none, so
+    the loop always goes on to the push; the push sends the replies that exist and returns; after a pull that
+    found nothing it first waits up to the idle poll for a reply, looking every ``REPLY_POLL_S``."""
+
+    def __init__(self, pull: Callable[..., int | None], push: Callable[..., None], idle: _IdleBackoff) -> None:
+        self._pull, self._push, self._idle = pull, push, idle
+        self._pulled = False
+
+    def pull(self, *args: Any, **kwargs: Any) -> int:
+        run_id = self._pull(*args, **kwargs)
+        self._pulled = run_id is not None
+        if self._pulled:
+            self._idle.received()
+        return NO_RUN if run_id is None else run_id
+
+    def push(self, *, state: Any, object_store: Any, send: Any, push_object: Any) -> None:
+        deadline = time.monotonic() + (0.0 if self._pulled else self._idle.delay)
+        while not (replies := list(state.get_messages_legacy(is_reply=True))):
+            if time.monotonic() >= deadline:
+                if not self._pulled:
+                    self._idle.grow()
+                return
+            time.sleep(REPLY_POLL_S)
+        self._push(state=_Prefetched(state, replies), object_store=object_store, send=send, push_object=push_object)
+        self._idle.received()
 
 
 class _TunedClock:
@@ -131,16 +184,11 @@ def _apply() -> None:
     from flwr.supernode import start_client_internal
 
     loop: ModuleType = start_client_internal
-    idle, pull = _IdleBackoff(), loop._pull_and_store_message
-
-    def pull_and_note(*args: Any, **kwargs: Any) -> int | None:
-        run_id = pull(*args, **kwargs)
-        if run_id is not None:
-            idle.received()
-        return run_id
-
+    idle = _IdleBackoff()
+    pipeline = _Pipeline(loop._pull_and_store_message, loop._push_messages, idle)
     loop.time = _TunedClock(idle)  # type: ignore[attr-defined]
-    loop._pull_and_store_message = pull_and_note  # type: ignore[attr-defined]
+    loop._pull_and_store_message = pipeline.pull  # type: ignore[attr-defined]
+    loop._push_messages = pipeline.push  # type: ignore[attr-defined]
     _set_defaults(
         inflatable_utils.pull_objects,
         initial_backoff=RETRY_BACKOFF_S[0], backoff_cap=RETRY_BACKOFF_S[1], max_concurrent_pulls=CONCURRENCY,

@@ -5,8 +5,8 @@ costs one round of parallel object requests each way, whatever the model or the 
 
 Down: the header holds the job, the rounds to train and the broadcast's parts; the payload is the broadcast's
 parts concatenated. Up: the header holds the partition, one entry per update (round, codec wire type, size,
-examples, training time, loss), the device's health and transport; the payload is the updates' payloads
-concatenated. The sizes in a header must add up to its payload exactly."""
+examples, training time, loss), the device's health and transport, and how long the agent held the message;
+the payload is the updates' payloads concatenated. The sizes in a header must add up to its payload exactly."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
 from contract.messages import TrainInstruction, TrainReply
 from strategies.downlink import Broadcast, DownlinkError
@@ -81,6 +81,7 @@ def reply_content(reply: TrainReply) -> RecordDict:
         ],
         "health": reply.health,
         "transport": reply.transport,
+        "held-s": reply.held_s,
     }
     return _content(header, b"".join(u.payload for u in reply.updates))
 
@@ -104,7 +105,10 @@ def parse_reply(content: RecordDict) -> TrainReply:
         health = header["health"]
         if not isinstance(health, dict):
             raise WireError("health is not an object")
-        return TrainReply(int(header["partition-id"]), tuple(updates), health, str(header["transport"]))
+        held_s = float(header["held-s"])
+        if not 0 <= held_s < math.inf:
+            raise WireError(f"held-s is {held_s}, not a duration")
+        return TrainReply(int(header["partition-id"]), tuple(updates), health, str(header["transport"]), held_s)
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed reply: {exc}") from None
 
@@ -123,5 +127,6 @@ class WireSize:
 
 
 def wire_size(message: Message) -> WireSize:
-    objects = get_all_nested_objects(message).values()
-    return WireSize(sum(len(obj.deflate()) for obj in objects), len(objects))
+    with no_object_id_recompute():  # each object serialized for its id once, not once per ancestor
+        objects = get_all_nested_objects(message).values()
+        return WireSize(sum(len(obj.deflate()) for obj in objects), len(objects))

@@ -3,14 +3,14 @@ the codec memory and DGA's bookkeeping, and trains continuously in a background 
 ``fl_client.node`` serves the device's SuperNode tasks in the agent's process and hands each message to
 ``EdgeAgent.train``.
 
-A message may bring the newest global model; the agent trains the rounds that model unlocks and answers with
-every update it has ready. A round t needs the global model of round t − D − 1 (DGA's staleness bound; D = 0 is
-FedAvg's lock-step), so a message unlocks up to D + 1 rounds. The agent answers when it reaches the bound —
-every message round trip then moves the pipeline on by D + 1 rounds; answering with the first ready round
-instead would make each round wait two round trips — or earlier, when the rounds still left can be trained
-during the round trip to the next message (``strategies.dga.reply_early``, from the round trip and the round
-time it measures). Training goes on while messages travel; it pauses only at the staleness bound. With partial
-participation the agent trains only the rounds its partition is sampled in (``strategies.sampling``).
+A message may bring the newest global model; the agent takes it at once and trains the rounds it unlocks: a
+round t needs the global model of round t − D − 1 (DGA's staleness bound; D = 0 is FedAvg's lock-step). The agent
+holds every message it is given until it has an update to answer it with, and answers as soon as one is ready —
+with every update ready then, usually one. With DGA the server keeps more than one message at the device
+(``strategies.rounds``), so each round's update leaves as soon as it is trained while the next rounds train:
+hiding a message path of R seconds behind training rounds of T seconds needs D ≥ ⌈R/T⌉ (with one message in
+flight, D + 1 ≥ 2⌈R/T⌉). A held message is answered with nothing only once this run will train nothing more here.
+With partial participation the agent trains only the rounds its partition is sampled in (``strategies.sampling``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ml.data import Dataset, load_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.trainer import LocalTrainer, scheduled_lr
 from strategies.codecs import make_client_codec
-from strategies.dga import DelayedAveragingClient, reply_early
+from strategies.dga import DelayedAveragingClient
 from strategies.downlink import BroadcastDecoder
 from strategies.rounds import Update
 
@@ -54,7 +54,7 @@ class Session:
             data_dir = data_dir or job.data_dir or None
             data = load_partition(job.dataset, data_dir, job.partition, num_partitions, job.seed, partition_id)
         self.num_examples = len(data.y_train)
-        self.model = build_model(data, job.seed)
+        self.model = build_model(data, job.seed, job.model)
         self.layout = param_layout(self.model)
         seed = job.seed * 1000 + partition_id
         momentum = 0.0 if job.codec_spec.plain_sgd else job.momentum
@@ -69,9 +69,7 @@ class Session:
         self.advance_to(1)
         self.outbox: list[Update] = []
         self.training = False
-        self.round_s: float | None = None  # moving averages: a round's training time,
-        self.round_trip_s: float | None = None  # and the time from a reply to the next global model
-        self.replied_at: float | None = None
+        self.error: str | None = None  # why training failed: the session trains no more
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the partition's rows (``attach`` them again after unpickling): how a simulated client's
@@ -83,12 +81,12 @@ class Session:
     def attach(self, data: Dataset) -> None:
         self.trainer.attach(data.x_train, data.y_train)
 
-    def take_instruction(self, instr: TrainInstruction, now: float) -> None:
+    def take_instruction(self, instr: TrainInstruction) -> None:
         """Take the global model a message brings (x̂, as the possibly compressed broadcast delivers it) and the
         first round it asks for."""
         if instr.broadcast is not None:
             reference = self.broadcast.receive(instr.broadcast)
-            self.take_global(instr.broadcast.round, reference, now)
+            self.dga.receive_global(instr.broadcast.round, reference)
         self.advance_to(instr.next_round)
 
     def train_next(self) -> None:
@@ -103,15 +101,14 @@ class Session:
         self.next_round = self.last_round + 1 if sampled is None else sampled
 
     def can_train(self) -> bool:
-        return self.next_round <= self.last_round and self.dga.can_start(self.next_round)
+        return self.error is None and self.next_round <= self.last_round and self.dga.can_start(self.next_round)
 
     def reply_due(self) -> bool:
-        """At the staleness bound (or done), or early enough that the rounds left fill the round trip."""
-        if not self.training and not self.can_train():
-            return True
-        bound = min(self.last_round, self.dga.global_round + self.dga.delay + 1)
-        left = self.sampler.count(self.partition_id, self.next_round, bound)  # the round in progress counts
-        return reply_early(len(self.outbox), left, self.dga.delay, self.round_s or 0.0, self.round_trip_s)
+        """A held message is answered once an update is ready, or once this run will train nothing more here (a
+        session that waits at the staleness bound holds it: the global model that unlocks the next round comes
+        in a message of its own)."""
+        finished = self.error is not None or self.next_round > self.last_round
+        return bool(self.outbox) or (finished and not self.training)
 
     def finish_round(self, ready: Update, sent: np.ndarray) -> None:
         """Keep a trained round's update: in the outbox, and as sent (``sent``, what the server will decode) for
@@ -119,17 +116,10 @@ class Session:
         self.dga.record_sent(ready.round, sent)
         self.outbox.append(ready)
         self.advance_to(ready.round + 1)
-        self.round_s = moving_average(self.round_s, ready.train_s)
         self.training = False
 
-    def take_global(self, round_: int, params: np.ndarray, now: float) -> None:
-        self.dga.receive_global(round_, params)
-        if self.replied_at is not None:
-            self.round_trip_s = moving_average(self.round_trip_s, now - self.replied_at)
-
-    def take_outbox(self, now: float) -> list[Update]:
+    def take_outbox(self) -> list[Update]:
         ready, self.outbox = self.outbox, []
-        self.replied_at = now
         return ready
 
     def train_one_round(self, round_: int, start: np.ndarray, lr: float | None = None) -> tuple[Update, np.ndarray]:
@@ -155,17 +145,10 @@ def check_partition(job: ClientJob, partition_id: int, num_partitions: int) -> N
         raise AgentError(reason)
 
 
-def _seconds(value: float | None) -> str:
-    return "?" if value is None else f"{value:.2f}"
-
-
-def moving_average(previous: float | None, sample: float, weight: float = 0.5) -> float:
-    return sample if previous is None else (1 - weight) * previous + weight * sample
-
-
 class EdgeAgent:
-    """The device's sessions (one per run) and their trainer threads. ``data_dir`` is this device's data
-    folder (it wins over the run's); ``transport`` is how its SuperNode moves messages, told to the server."""
+    """The device's sessions (one per run) and the one thread that trains them (``trainer_tid``: an emulated
+    device runs it on a core of its own, ``edge.devices.DeviceCaps``). ``data_dir`` is this device's data folder
+    (it wins over the run's); ``transport`` is how its SuperNode moves messages, told to the server."""
 
     def __init__(self, data_dir: str = "", transport: str = "stock") -> None:
         self.data_dir = data_dir
@@ -173,16 +156,20 @@ class EdgeAgent:
         self._cond = threading.Condition()
         self._session: Session | None = None
         self._job_text = ""
-        self._error: str | None = None
         self._stop = False
+        trainer = threading.Thread(target=self._train_forever, daemon=True, name="trainer")
+        trainer.start()
+        self.trainer_tid: int = trainer.native_id or 0
 
     # ----- the trainer thread -------------------------------------------------------------------------
-    def _train_forever(self, session: Session) -> None:
+    def _train_forever(self) -> None:
+        """Train the current session's next round whenever it may start one, until ``stop``."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or self._session is not session or session.can_train())
-                if self._stop or self._session is not session:
+                self._cond.wait_for(lambda: self._stop or (self._session is not None and self._session.can_train()))
+                if self._stop:
                     return
+                session = self._session
                 round_ = session.next_round
                 start = session.dga.start_params()
                 session.training = True
@@ -190,11 +177,11 @@ class EdgeAgent:
                 ready, sent = session.train_one_round(round_, start)
             except Exception as exc:
                 log.exception("training failed")
-                with self._cond:
-                    self._error = f"training round {round_} failed: {exc}"
+                with self._cond:  # the session trains no more: every reply says why
                     session.training = False
+                    session.error = f"training round {round_} failed: {exc}"
                     self._cond.notify_all()
-                return
+                continue
             with self._cond:  # DGA's bookkeeping changes only under the lock: the task thread reads it too
                 session.finish_round(ready, sent)
                 self._cond.notify_all()
@@ -211,31 +198,32 @@ class EdgeAgent:
         session = Session(job, partition_id, num_partitions, self.data_dir)
         with self._cond:
             self._session, self._job_text = session, job_text
-            self._error = None
             self._cond.notify_all()
-        threading.Thread(target=self._train_forever, args=(session,), daemon=True, name="trainer").start()
         log.info("new session: %s partition %d (%d examples)", session.job.dataset, partition_id, session.num_examples)
         return session
 
     def train(self, instr: TrainInstruction, partition_id: int, num_partitions: int) -> TrainReply:
-        """Take the global model the message brings (if any), wait until a reply is due, and give every update
-        ready; raises AgentError when training failed or the run does not fit this device."""
+        """Take the global model the message brings (if any), hold the message until a reply is due, and give
+        every update ready; raises AgentError when training failed or the run does not fit this device. Several
+        messages may be held at once (``fl_client.tasks``): the first to wake takes what is ready."""
+        taken = time.monotonic()
         session = self.session_for(instr.job, partition_id, num_partitions)
         if not instr.asks_for_rounds:
             return TrainReply(session.partition_id, (), health_snapshot(), self.transport)
         with self._cond:
-            session.take_instruction(instr, time.monotonic())
+            session.take_instruction(instr)
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._error or session.reply_due())
-            if self._error:
-                raise AgentError(self._error)
-            ready = session.take_outbox(time.monotonic())
+            self._cond.wait_for(lambda: self._stop or session.error or session.reply_due())
+            if session.error or self._stop:
+                raise AgentError(session.error or "the agent is stopping")
+            ready = session.take_outbox()
             log.info(
-                "reply: rounds %s, next round %d, global model of round %d; round trip %s s, round %s s",
-                [u.round for u in ready], session.next_round, session.dga.global_round,
-                _seconds(session.round_trip_s), _seconds(session.round_s),
+                "reply: rounds %s, next round %d, global model of round %d, held %.2f s",
+                [u.round for u in ready], session.next_round, session.dga.global_round, time.monotonic() - taken,
             )  # fmt: skip
-        return TrainReply(session.partition_id, tuple(ready), health_snapshot(), self.transport)
+        return TrainReply(
+            session.partition_id, tuple(ready), health_snapshot(), self.transport, time.monotonic() - taken
+        )
 
     def stop(self) -> None:
         with self._cond:

@@ -36,6 +36,7 @@ from torch import nn
 
 from contract.run_folder import CHECKPOINT, load_checkpoint
 from contract.settings import ConfigError, load_config
+from ml.catalog import AUTO, resolve_model
 from ml.data import DATASET_NAMES, HF_PREFIX, DataError, Dataset, load_dataset
 from ml.models import ModelError, build_model, set_flat_params
 from ml.onnx import EVAL_BATCH, OnnxClassifier, export_onnx, quantize_int8
@@ -98,14 +99,16 @@ class BenchReport:
         )
 
 
-def load_target(spec: str, data_dir: str | None = None) -> BenchTarget:
-    """A run folder's trained model, or a fresh model for a data set name (``data_dir`` as in ``load_dataset``)."""
+def load_target(spec: str, data_dir: str | None = None, model: str = AUTO) -> BenchTarget:
+    """A run folder's trained model, or a fresh ``model`` (``ml.catalog``) for a data set name (``data_dir`` as in
+    ``load_dataset``)."""
     path = Path(spec)
     if path.is_dir():
         return _run_target(path)
     if spec in DATASET_NAMES or spec.startswith(HF_PREFIX):
         dataset = load_dataset(spec, data_dir)
-        return BenchTarget(build_model(dataset, FRESH_MODEL_SEED), dataset, f"fresh model for {dataset.name}")
+        name = resolve_model(model, dataset.kind, dataset.name).name
+        return BenchTarget(build_model(dataset, FRESH_MODEL_SEED, model), dataset, f"fresh {name} for {dataset.name}")
     if path.exists() or "/" in spec:
         raise BenchError(f"{spec} is not a run folder: {'it is a file' if path.exists() else 'no such folder'}")
     raise BenchError(
@@ -124,7 +127,7 @@ def _run_target(run_dir: Path) -> BenchTarget:
     except ConfigError as err:
         raise BenchError(f"{run_dir}: {err}") from None
     dataset = load_dataset(config.dataset, config.data_dir or None)
-    model = build_model(dataset, config.seed)
+    model = build_model(dataset, config.seed, config.model)
     try:
         round_, params = load_checkpoint(run_dir)
         set_flat_params(model, params)

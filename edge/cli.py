@@ -16,18 +16,22 @@ DEFAULT_SECONDS = 3.0
 def bench_command(args: argparse.Namespace) -> int:
     """Print the benchmark table; exit code 0 if the three back ends agree within tolerance, else 1."""
     from edge.bench import BenchError, format_report, load_target, run_bench
-    from edge.devices import CpuCap, device_profile
+    from edge.devices import DeviceCaps, device_profile
 
     if not args.seconds > 0:
         raise BenchError(f"--seconds must be positive, got {args.seconds}")
     if args.threads < 1:
         raise BenchError(f"--threads must be at least 1, got {args.threads}")
     profile = device_profile(args.device_profile)
-    target = load_target(args.model, args.data_dir)
-    with CpuCap(profile, "bench") as cap:
-        cap.add(os.getpid())
+    target = load_target(args.target, args.data_dir, args.model_name)
+    with DeviceCaps(profile, "bench") as cap:
+        cap.place("train" if args.threads == 1 else None, os.getpid())  # one device core, or all of them
         report = run_bench(target, args.seconds, args.threads)
-    limit = "no CPU cap" if profile.cpu_fraction is None else f"{profile.cpu_fraction:.3f} of one core of this machine"
+    limit = (
+        "no CPU cap"
+        if profile.cpu_fraction is None
+        else f"{profile.cores} cores, each {profile.cpu_fraction:.3f} of one core of this machine"
+    )
     print(f"device profile {profile.name}: {limit} ({profile.source})")
     print(format_report(report))
     return 0 if report.fp32_agrees and report.int8_agrees else EXIT_DISAGREE
@@ -43,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="latency, throughput and accuracy in torch, ONNX Runtime fp32 and ONNX Runtime int8",
         description="Exit code 0 if the three back ends agree within tolerance, 1 if not, 2 on bad input.",
     )
-    bench.add_argument("model", metavar="MODEL", help="a run folder (its checkpoint.npz), or a data set name")
+    bench.add_argument("target", metavar="RUN_OR_DATA", help="a run folder (its checkpoint.npz), or a data set name")
+    bench.add_argument("--model", dest="model_name", default="auto",
+                       help="for a data set name: the model to build (ml/catalog.py; default auto)")  # fmt: skip
     bench.add_argument(
         "--seconds", type=float, default=DEFAULT_SECONDS, help=f"time budget of the timing (default {DEFAULT_SECONDS})"
     )

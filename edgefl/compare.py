@@ -2,18 +2,24 @@
 on the same machine, then one report — a markdown table per link profile (speedup against the first
 strategy) and accuracy plots against wall-clock time and rounds, one line per strategy.
 
-With no arguments it is edgefl's main job: FedAvg against DGA on non-IID Fashion-MNIST over emulated
-home-wifi and long-distance links."""
+edgefl's runs over one link profile share one local federation — SuperLink, SuperNodes and edge agents start
+once, as a real fleet's do, and each run is submitted to it in turn (its processes' logs are in OUT/PROFILE/logs);
+Flower's own FedAvg runs in a deployment of its own.
+
+With no arguments it is edgefl's main job: FedAvg against DGA on non-IID Fashion-MNIST, on emulated Raspberry Pi
+4s over emulated home-wifi and long-distance links. Every run's message path R and round training T are printed
+after it, with what DGA can gain there (``strategies.dga.regime_bounds``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 from contract.settings import RunConfig
-from edgefl.launcher import run
-from edgefl.report import load_run, plot_runs, table
+from edgefl.launcher import app_for, local_federation, run, run_on
+from edgefl.report import load_run, plot_runs, regime_line, regime_text, table
 
 DEFAULT_STRATEGIES = ("fedavg", "dga:2")
 DEFAULT_PROFILES = ("home-wifi", "long-distance")
@@ -25,12 +31,37 @@ DEFAULTS = {
     "local_steps": 20,
     "lr_schedule": "cosine",
     "target_accuracy": 0.78,
+    "eval_examples": 2000,
+    "device_profile": "rpi4",
     "out": "runs/compare",
 }
 
 
 def run_dir_for(out: Path, profile: str, strategy: str) -> Path:
     return out / profile.replace(",", "+") / strategy.replace(":", "-")
+
+
+def estimates(base: RunConfig, profiles: list[str]) -> list[str]:
+    """Before the runs: the clock's R and T (``netem.clock.estimate_regime``) for every kind of client each profile's
+    fleet holds, and what DGA could gain there; this host's seconds per step are measured first (a few seconds)."""
+    from fl_server.simulation import host_step_s
+    from ml.data import load_dataset
+    from ml.models import build_model
+    from netem.clock import estimate_regime
+    from netem.fleet import devices_for, links_for
+    from netem.profiles import BUILTIN_LINKS
+
+    step_s = host_step_s(base)
+    model = build_model(load_dataset(base.dataset, base.data_dir or None), base.seed, base.model)
+    message_bytes = 4 * sum(p.numel() for p in model.parameters())  # one dense model
+    lines = []
+    for profile in profiles:
+        config = dataclasses.replace(base, profile=profile)
+        links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
+        for link, device in dict.fromkeys(zip(links, devices_for(config), strict=True)):
+            path_s, round_s = estimate_regime(link, device, message_bytes, config.local_steps, step_s)
+            lines.append(f"{link.name}, {device.name}: the clock expects {regime_text(path_s, round_s)}")
+    return lines
 
 
 def compare(
@@ -40,18 +71,30 @@ def compare(
     sections, plots = [], []
     total, done = len(strategies) * len(profiles), 0
     for profile in profiles:
+        configs = [
+            dataclasses.replace(base, strategy=strategy, profile=profile, out=str(run_dir_for(out, profile, strategy)))
+            for strategy in strategies
+        ]
         runs = []
-        for strategy in strategies:
-            done += 1
-            progress(f"[{done}/{total}] {strategy} over {profile}")
-            config = dataclasses.replace(
-                base, strategy=strategy, profile=profile, out=str(run_dir_for(out, profile, strategy))
-            )
-            runs.append(load_run(run(config, progress)))
+        with contextlib.ExitStack() as stack:
+            shared = None  # edgefl's runs over one link share a local federation: its devices start once
+            for config in configs:
+                done += 1
+                progress(f"[{done}/{total}] {config.strategy} over {profile}")
+                if config.federation != "local" or app_for(config) != "edgefl":
+                    run_dir = run(config, progress)
+                else:
+                    if shared is None:
+                        home = out / profile.replace(",", "+")
+                        shared = stack.enter_context(local_federation(config, home, progress))
+                    run_dir = run_on(shared, config, progress)
+                runs.append(load_run(run_dir))
+                progress(regime_line(runs[-1][0]))
         plot_dir = out / profile.replace(",", "+")
         title = f"{base.dataset} {base.partition}, {base.clients} clients, {profile}"
         plots += plot_runs(runs, plot_dir, title)
-        sections.append(f"### {profile}\n\n{table([summary for summary, _ in runs])}\n")
+        regimes = "\n".join(f"- {regime_line(summary)}" for summary, _ in runs)
+        sections.append(f"### {profile}\n\n{table([summary for summary, _ in runs])}\n\n{regimes}\n")
     text = "\n".join(sections)
     (out / "report.md").write_text(text)
     return text, plots

@@ -26,7 +26,7 @@ import tomli_w
 
 from contract.run_folder import CHECKPOINT, GLOBAL_ONNX, MESSAGES, ROUNDS, SERVER_ERROR, SUMMARY, mirror, read_rounds
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
-from edge.devices import CpuCap
+from edge.devices import DEVICE_PROFILES, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_server_certs
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail, tail_from
 from netem.fleet import devices_for, links_for
@@ -38,7 +38,9 @@ SUBMIT_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 30.0  # how long a remote SuperLink may stay unreachable before a command gives up
 CLIENT_PROCESSES = ("agent-", "supernode-")  # ProcessGroup names of a client's processes
 RUN_LOG = "run-log"  # a remote run's streamed ServerApp log (flwr log --stream)
+LAPTOP = DEVICE_PROFILES["laptop"]  # no cap
 RUNTIME_HOST = "127.0.0.1"  # a SuperNode's Runtime API, where its agent claims tasks: the device's loopback only
+JOINED = "SuperNode ID:"  # flower-supernode logs this once the SuperLink has accepted the node
 
 APPS = {
     "edgefl": ("fl_server.app:app", "fl_client.app:app"),
@@ -146,23 +148,23 @@ class NodeRuntime:
 
     port: int
     secret_file: Path
-    ready_file: Path  # the agent writes it once its data is loaded
-    held_file: Path  # the task the agent is serving (fl_client.tasks.HeldTask), for the agent that restarts
+    ready_file: Path  # the agent writes it once its data is loaded: AgentReady
+    held_dir: Path  # the tasks the agent is serving (fl_client.tasks.HeldTask), for the agent that restarts
 
     @classmethod
     def create(cls, folder: Path, name: str) -> NodeRuntime:
-        secret_file, ready_file, held_file = (folder / f".{name}.{kind}" for kind in ("secret", "ready", "task"))
+        secret_file, ready_file, held_dir = (folder / f".{name}.{kind}" for kind in ("secret", "ready", "tasks"))
         secret_file.unlink(missing_ok=True)
         secret_file.touch(mode=0o600)
         secret_file.write_bytes(secrets.token_bytes(32))
         ready_file.unlink(missing_ok=True)
-        held_file.unlink(missing_ok=True)  # held for a SuperNode that is gone
-        return cls(free_port(RUNTIME_HOST), secret_file, ready_file, held_file)
+        shutil.rmtree(held_dir, ignore_errors=True)  # held for a SuperNode that is gone
+        return cls(free_port(RUNTIME_HOST), secret_file, ready_file, held_dir)
 
     def agent_argv(self, *extra: str) -> list[str]:
         return [sys.executable, "-m", "fl_client.node", "--runtime-api", f"{RUNTIME_HOST}:{self.port}",
                 "--secret-file", str(self.secret_file), "--ready-file", str(self.ready_file),
-                "--held-task-file", str(self.held_file), *extra]  # fmt: skip
+                "--held-tasks", str(self.held_dir), *extra]  # fmt: skip
 
 
 def wait_for_superlink(procs: ProcessGroup) -> None:
@@ -268,19 +270,45 @@ def submit(
     return str(run_flwr(["run", str(app_dir), FEDERATION], env, prefix)["run-id"])
 
 
+def device_caps(
+    config: RunConfig, stack: contextlib.ExitStack, progress: Callable[[str], None]
+) -> tuple[list[DeviceCaps], str]:
+    """Each client's emulated device (``edge.devices.DeviceCaps``, entered on ``stack``), and how they are
+    emulated, for the run's record: "none" (no profile caps anything), "cgroup-v1" / "cgroup-v2", or "uncapped:
+    REASON" when this machine cannot cap a CPU (said in one line; the run goes on uncapped)."""
+    devices = devices_for(config) if app_for(config) == "edgefl" else []  # Flower's own clients stay uncapped
+    uncapped = [DeviceCaps(LAPTOP, "none")] * config.clients
+    if all(device.cpu_fraction is None for device in devices):
+        return uncapped, "none"
+    tag = str(os.getpid())
+    with contextlib.ExitStack() as trial:
+        try:
+            caps = [trial.enter_context(DeviceCaps(d, f"device-{i}", tag=tag)) for i, d in enumerate(devices)]
+        except DeviceError as exc:
+            progress(f"device profiles not applied, running uncapped: {exc}")
+            return uncapped, f"uncapped: {exc}"
+        stack.enter_context(trial.pop_all())
+    return caps, f"cgroup-v{cpu_hierarchy()[0]}"
+
+
 class LocalFederation:
-    """SuperLink, agents and SuperNodes for one run, inside ``procs``."""
+    """SuperLink, agents and SuperNodes inside ``procs``, started for runs like ``config`` (its app, links, devices
+    and clients), with their secrets, certificates and the agents' first job in ``home``; ``caps``: each client's
+    emulated device. Runs are submitted to it one after another (``run_on``)."""
 
     def __init__(
-        self, config: RunConfig, run_dir: Path, place: Placement, procs: ProcessGroup, caps: contextlib.ExitStack
+        self, config: RunConfig, home: Path, place: Placement, procs: ProcessGroup, caps: list[DeviceCaps]
     ) -> None:
         self.config = config
-        self.run_dir = run_dir
+        self.run_dir = home
         self.place = place
         self.procs = procs
         self.caps = caps
         self.app = app_for(config)
         self.certs: ServerCerts | None = None  # TLS on a non-loopback SuperLink address
+        self.runtimes: list[NodeRuntime | None] = []
+        self.address = ""
+        self.placed = False
 
     def superlink_port(self) -> int:
         if self.config.port:
@@ -290,44 +318,58 @@ class LocalFederation:
         return free_port()
 
     def start(self) -> str:
-        """Start every process; returns the SuperLink address. Agents load their data while the SuperLink starts."""
+        """Start every process; returns the SuperLink address. Agents load their data while the SuperLink and the
+        SuperNodes start and the run is submitted (an agent serves its SuperNode once it is ready)."""
         port = self.superlink_port()
-        address = f"{self.place.server_host}:{port}"
-        runtimes = self._start_agents() if self.app == "edgefl" else [None] * self.config.clients
+        address = self.address = f"{self.place.server_host}:{port}"
+        self.runtimes = self._start_agents() if self.app == "edgefl" else [None] * self.config.clients
         if self.place.backend != "loopback":
             self.certs = make_server_certs(self.run_dir / ".certs", [self.place.server_host])
         superlink = superlink_argv(self.place.server_host, port, self.certs)
         self.procs.start("superlink", [*self.place.server_prefix, *superlink])
         wait_for_superlink(self.procs)
-        for i, runtime in enumerate(runtimes):
-            if runtime:
-                self.procs.wait_until(f"edge agent {i}", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
-        for i, (prefix, runtime) in enumerate(zip(self.place.client_prefixes, runtimes, strict=True)):
+        for i, (prefix, runtime) in enumerate(zip(self.place.client_prefixes, self.runtimes, strict=True)):
             node_config = f"partition-id={i} num-partitions={self.config.clients}"
             supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config, serve=runtime)
             self.procs.start(f"supernode-{i}", [*prefix, *supernode])
         return address
 
+    def place_devices(self) -> None:
+        """Put each agent on its device's cores once it is ready and each SuperNode once it has joined the
+        SuperLink (their start-up stays off the device: a real device's agent and SuperNode start once, not per
+        run; the first round starts only after every agent has answered who it is). Once per federation."""
+        if self.placed:
+            return
+        self.placed = True
+        for i, (cap, runtime) in enumerate(zip(self.caps, self.runtimes, strict=True)):
+            if runtime is None:
+                continue
+            self.procs.wait_until(f"edge agent {i}", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
+            if cap.path is None:
+                continue
+            AgentThreads.load(runtime.ready_file).place(cap)
+            name = f"supernode-{i}"
+            log = self.procs.log_dir / f"{name}.log"
+            self.procs.wait_until(f"SuperNode {i} to join", lambda log=log: JOINED in tail(log, 200), STARTUP_TIMEOUT_S)
+            cap.place("supernode", dict(self.procs.procs)[name].pid)
+
     def _start_agents(self) -> list[NodeRuntime]:
-        """One agent per client, each inside its emulated device's CPU cap (the cap's prefix goes first:
-        ``ip netns exec`` hides /sys/fs/cgroup)."""
+        """One agent per client, started uncapped; ``start`` puts it on its device's cores once it is ready."""
         job = self.run_dir / ".job.json"
         job.write_text(self.config.client_job().to_json())
-        tag = str(os.getpid())
         runtimes = []
-        for i, (prefix, device) in enumerate(zip(self.place.client_prefixes, devices_for(self.config), strict=True)):
+        for i, prefix in enumerate(self.place.client_prefixes):
             runtime = NodeRuntime.create(self.run_dir, f"node-{i}")
-            cap = self.caps.enter_context(CpuCap(device, f"agent-{i}", tag=tag))
             argv = runtime.agent_argv("--job", str(job), "--partition-id", str(i),
                                       "--num-partitions", str(self.config.clients))  # fmt: skip
-            self.procs.start(f"agent-{i}", [*cap.argv_prefix(), *prefix, *argv])
+            self.procs.start(f"agent-{i}", [*prefix, *argv])
             runtimes.append(runtime)
         return runtimes
 
-    def submit(self, address: str) -> str:
-        """``flwr run`` against our SuperLink (from the server's namespace); returns Flower's run id."""
+    def submit(self, config: RunConfig, run_dir: Path) -> str:
+        """``flwr run`` of ``config`` against our SuperLink (from the server's namespace); returns Flower's run id."""
         root_cert = self.certs.ca if self.certs else None
-        return submit(self.config, self.run_dir, address, root_cert, self.procs.env, self.place.server_prefix)
+        return submit(config, run_dir, self.address, root_cert, self.procs.env, self.place.server_prefix)
 
 
 def submit_remote(config: RunConfig, run_dir: Path, procs: ProcessGroup) -> tuple[str, Path]:
@@ -341,9 +383,13 @@ def submit_remote(config: RunConfig, run_dir: Path, procs: ProcessGroup) -> tupl
     return run_id, procs.log_dir / f"{RUN_LOG}.log"
 
 
+def _fmt(value: float | None) -> str:
+    return "  —   " if value is None else f"{value:.4f}"
+
+
 def _progress_line(row: dict, rounds: int) -> str:
     return (
-        f"round {row['round']:>3}/{rounds}  acc {row['test_accuracy']:.4f}  loss {row['test_loss']:.4f}  "
+        f"round {row['round']:>3}/{rounds}  acc {_fmt(row['test_accuracy'])}  loss {_fmt(row['test_loss'])}  "
         f"wall {row['wall_s']:7.1f} s  up {row['bytes_up'] / 1e6:7.2f} MB  down {row['bytes_down'] / 1e6:7.2f} MB"
         + (f"  refused {len(row['rejected'])}" if row["rejected"] else "")
     )
@@ -402,6 +448,40 @@ def run_simulated(config: RunConfig, run_dir: Path, logs: Path, progress: Callab
         follow(config, run_dir, procs, progress)
 
 
+@contextlib.contextmanager
+def local_federation(
+    config: RunConfig, home: Path, progress: Callable[[str], None] = print
+) -> Iterator[LocalFederation]:
+    """A local federation for runs like ``config`` (``LocalFederation``), its processes' logs in ``home``/logs; its
+    ``config`` records how its links and devices are emulated. Everything stops on leaving the ``with``."""
+    with placement_for(config) as place, contextlib.ExitStack() as stack:
+        caps, devices = device_caps(config, stack, progress)
+        config = dataclasses.replace(config, link_backend=place.backend, device_backend=devices)
+        with ProcessGroup(home / "logs", _flower_env(home)) as procs:
+            federation = LocalFederation(config, home, place, procs, caps)
+            federation.start()
+            yield federation
+
+
+def run_on(
+    federation: LocalFederation, config: RunConfig, progress: Callable[[str], None] = print, resume: bool = False
+) -> Path:
+    """Run ``config`` on a running local federation (it must share its app, links, devices and clients); returns the
+    run folder."""
+    run_dir = prepare_run_dir(config, resume)
+    started = federation.config
+    config = dataclasses.replace(config, link_backend=started.link_backend, device_backend=started.device_backend)
+    save_config(config, run_dir / "config.toml")
+    run_id = federation.submit(config, run_dir)
+    federation.place_devices()
+    progress(
+        f"run {run_id}: {config.strategy} on {config.dataset} ({config.partition}), {config.clients} clients, link "
+        f"{config.profile} [{config.link_backend}], devices {config.device_profile} [{config.device_backend}]"
+    )
+    follow(config, run_dir, federation.procs, progress)
+    return run_dir
+
+
 def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool = False) -> Path:
     """Run one configuration end to end (``resume``: on from the run folder's checkpoint); returns the folder."""
     run_dir = prepare_run_dir(config, resume)
@@ -411,27 +491,22 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
     if config.federation == "simulation":
         run_simulated(config, run_dir, logs, progress)
         return run_dir
+    if config.federation == "local":
+        with local_federation(config, run_dir, progress) as federation:
+            return run_on(federation, config, progress, resume)
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)
         save_config(config, run_dir / "config.toml")
-        with contextlib.ExitStack() as caps, ProcessGroup(logs, _flower_env(run_dir)) as procs:
-            echo = None
-            if config.federation == "remote":
-                run_id, echo = submit_remote(config, run_dir, procs)
-                where = f"the SuperLink at {config.server}"
-            else:
-                federation = LocalFederation(config, run_dir, place, procs, caps)
-                run_id = federation.submit(federation.start())
-                where = f"link {config.profile} [{place.backend}]"
+        with ProcessGroup(logs, _flower_env(run_dir)) as procs:
+            run_id, echo = submit_remote(config, run_dir, procs)
             progress(
                 f"run {run_id}: {config.strategy} on {config.dataset} ({config.partition}), "
-                f"{config.clients} clients, {where}"
+                f"{config.clients} clients, the SuperLink at {config.server}"
             )
             try:
                 follow(config, run_dir, procs, progress, echo)
-            except BaseException:
-                if config.federation == "remote":  # that SuperLink outlives us: end the run there too
-                    with contextlib.suppress(LaunchError):
-                        run_flwr(["stop", run_id, FEDERATION], procs.env)
+            except BaseException:  # that SuperLink outlives us: end the run there too
+                with contextlib.suppress(LaunchError):
+                    run_flwr(["stop", run_id, FEDERATION], procs.env)
                 raise
     return run_dir

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.settings import ConfigError, RunConfig, parse_address
-from edge.devices import CpuCap, device_profile
+from edge.devices import AgentThreads, DeviceCaps, device_profile
 from edgefl.certs import (
     CertError,
     ServerCerts,
@@ -37,6 +37,7 @@ from edgefl.certs import (
 from edgefl.launcher import (
     CONNECT_TIMEOUT_S,
     FEDERATION,
+    JOINED,
     STARTUP_TIMEOUT_S,
     NodeRuntime,
     _flower_env,
@@ -51,7 +52,6 @@ from edgefl.processes import LaunchError, ProcessGroup, port_in_use, tail_from
 
 POLL_S = 0.5
 RESTART_DELAY_S = 3.0
-JOINED = "SuperNode ID:"  # flower-supernode logs this once the SuperLink has accepted the node
 CONNECT_FAILED = "Failed to initialize the connection to the SuperLink."  # flower-supernode, then the reason
 NODE_ACTIVATED = "[Fleet.ActivateNode] Activated node_id="  # flower-superlink
 NODE_REFUSED = ("[/v1/fleet/activate-node][ApiError:", "[/v1/fleet/register-node][ApiError:")  # flower-superlink
@@ -230,10 +230,16 @@ def _refusal(text: str, spec: ClientSpec) -> str:
 
 
 def _run_supernode(
-    spec: ClientSpec, argv: list[str], agent: ProcessGroup, first: bool, progress: Callable[[str], None]
+    spec: ClientSpec,
+    argv: list[str],
+    agent: ProcessGroup,
+    first: bool,
+    progress: Callable[[str], None],
+    cap: DeviceCaps,
 ) -> bool:
-    """Run one SuperNode process until it exits; returns whether it joined. The ``first`` one must join within
-    the connect timeout, or this raises LaunchError with the reason."""
+    """Run one SuperNode process until it exits (on the emulated device's ``supernode`` core once it has joined);
+    returns whether it joined. The ``first`` one must join within the connect timeout, or this raises LaunchError
+    with the reason."""
     log = agent.log_dir / "supernode.log"
     offset = _size(log)
     deadline = time.monotonic() + spec.connect_timeout_s
@@ -244,6 +250,7 @@ def _run_supernode(
             agent.check_alive()
             if not joined and JOINED in tail_from(log, offset):
                 joined = True
+                cap.place("supernode", proc.pid)
                 progress(f"partition {spec.partition_id}/{spec.num_partitions} joined {spec.server}")
             if first and not joined and time.monotonic() > deadline:
                 raise LaunchError(f"the SuperNode did not join {spec.server} within {spec.connect_timeout_s:.0f} s")
@@ -259,7 +266,7 @@ def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
     whenever it exits. Fails with one line if the server cannot be reached or refuses the node the first time."""
     spec.check()
     with contextlib.ExitStack() as stack:
-        cap = stack.enter_context(CpuCap(device_profile(spec.device_profile), f"client-{spec.partition_id}"))
+        cap = stack.enter_context(DeviceCaps(device_profile(spec.device_profile), f"client-{spec.partition_id}"))
         reach_superlink(spec.server, spec.root_cert, spec.connect_timeout_s)
         logs = spec.folder / "logs"
         shutil.rmtree(logs, ignore_errors=True)
@@ -267,14 +274,15 @@ def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
         agent = stack.enter_context(ProcessGroup(logs, env))
         runtime = NodeRuntime.create(spec.folder, "node")
         data_dir = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []
-        agent.start("agent", [*cap.argv_prefix(), *runtime.agent_argv(*data_dir)])
+        agent.start("agent", runtime.agent_argv(*data_dir))
         agent.wait_until("the edge agent", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
+        AgentThreads.load(runtime.ready_file).place(cap)
         node_config = f"partition-id={spec.partition_id} num-partitions={spec.num_partitions}"
         progress(f"edge agent ready; logs: {logs}")
         first = True
         while True:
             argv = supernode_argv(spec.server, spec.root_cert, node_config, spec.auth_key, serve=runtime)
-            joined = _run_supernode(spec, argv, agent, first, progress)
+            joined = _run_supernode(spec, argv, agent, first, progress, cap)
             first = False
             progress(
                 f"the SuperNode {'left' if joined else 'could not rejoin'}; restarting it in {RESTART_DELAY_S:g} s"

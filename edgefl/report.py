@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 
 from contract.errors import EdgeflError
 from contract.run_folder import SUMMARY, read_rounds
+from strategies.dga import regime_bounds
 
 
 class ReportError(EdgeflError, ValueError):
@@ -59,7 +60,9 @@ def plot_runs(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path
     for x_values, x_label, suffix in X_AXES:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for summary, rows in runs:
-            ax.plot(x_values(rows), [r["test_accuracy"] for r in rows], marker=".", label=label(summary))
+            points = [(x, r["test_accuracy"]) for x, r in zip(x_values(rows), rows, strict=True)]
+            points = [(x, accuracy) for x, accuracy in points if accuracy is not None]  # evaluated (--eval-every)
+            ax.plot(*zip(*points, strict=True), marker=".", label=label(summary))
         if suffix == "bytes":
             ax.set_xscale("log")
         target = runs[0][0].get("target_accuracy")
@@ -101,10 +104,10 @@ def table(summaries: list[dict[str, Any]]) -> str:
     """A markdown table; the speedup columns are against the first run."""
     head = (
         "| strategy | link | rounds | final acc | best acc | time to target (s) | wall (s) | s/round "
-        "| rounds/h | local steps/s | MB up | MB down | MB to target | speedup to target | fewer bytes to target "
-        "| speedup per round |"
+        "| R (s) | T (s) | rounds/h | local steps/s | MB up | MB down | MB to target | speedup to target "
+        "| fewer bytes to target | speedup per round |"
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 18]
     for s in summaries:
         to_target, bytes_to_target, per_round = (
             ratio(summaries[0], s, key) for key in ("time_to_target_s", "bytes_to_target", "seconds_per_round")
@@ -113,11 +116,31 @@ def table(summaries: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {label(s)} | {s['link_profile']} | {s['rounds']} | {_fmt(s['final_accuracy'], '.4f')} "
             f"| {_fmt(s['best_accuracy'], '.4f')} | {_fmt(s['time_to_target_s'])} | {_fmt(s['wall_clock_s'])} "
-            f"| {_fmt(s['seconds_per_round'], '.2f')} | {_fmt(s['rounds_per_hour'], '.0f')} "
+            f"| {_fmt(s['seconds_per_round'], '.2f')} | {_fmt(s.get('message_path_s'), '.2f')} "
+            f"| {_fmt(s.get('round_train_s'), '.2f')} | {_fmt(s['rounds_per_hour'], '.0f')} "
             f"| {_fmt(s['local_steps_per_s'], '.1f')} | {s['bytes_up'] / 1e6:.2f} | {s['bytes_down'] / 1e6:.2f} "
             f"| {_fmt(mb_to_target, '.3f')} | {_times(to_target)} | {_times(bytes_to_target)} | {_times(per_round)} |"
         )
     return "\n".join(lines)
+
+
+def regime_line(summary: dict[str, Any]) -> str:
+    """What a run measured of its regime — the message path R, a round's training T — and what DGA can gain there
+    (``strategies.dga.regime_bounds``)."""
+    path_s, round_s = summary.get("message_path_s"), summary.get("round_train_s")
+    where = f"{label(summary)} over {summary['link_profile']}"
+    if not path_s or not round_s:
+        return f"{where}: no message carried training, so R and T were not measured"
+    return f"{where}: measured {regime_text(path_s, round_s)}"
+
+
+def regime_text(path_s: float, round_s: float) -> str:
+    """R, T, R/T and DGA's bounds there, as one clause."""
+    gain, delay = regime_bounds(path_s, round_s)
+    return (
+        f"message path R = {path_s:.2f} s, a round's training T = {round_s:.2f} s, R/T = {path_s / round_s:.2f}: "
+        f"DGA finishes rounds at most {gain:.2f}x as fast as FedAvg and hides R with D >= {delay}"
+    )
 
 
 def report(run_dirs: list[Path], out: Path) -> tuple[str, list[Path]]:

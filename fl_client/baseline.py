@@ -27,7 +27,7 @@ def train(msg: Message, context: Context) -> Message:
     pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     dataset = load_dataset(str(job["dataset"]), str(job["data-dir"]) or None)
     idx = partition_indices(dataset, str(job["partition"]), num, int(job["seed"]))[pid]
-    model = build_model(dataset, int(job["seed"]))
+    model = build_model(dataset, int(job["seed"]), str(job["model"]))
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     trainer = LocalTrainer(
         model,

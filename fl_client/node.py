@@ -1,7 +1,7 @@
 """A device's agent process: the edge agent, serving the tasks of the SuperNode beside it.
 
     python -m fl_client.node --runtime-api 127.0.0.1:9094 --secret-file node.secret [--data-dir DIR]
-        [--job job.json --partition-id I --num-partitions N] [--ready-file FILE] [--held-task-file FILE]
+        [--job job.json --partition-id I --num-partitions N] [--ready-file FILE] [--held-tasks DIR]
 
 ``--job`` loads the coming run's data and model before its first message, so round 1 does not pay for it.
 SIGTERM or SIGINT stops it."""
@@ -19,6 +19,7 @@ import torch
 
 from contract.transport import why_stock
 from edge.agent import EdgeAgent
+from edge.devices import AgentThreads
 from fl_client.app import app, attach
 from fl_client.tasks import TaskServer
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", type=Path, help="JSON job of the coming run: load its data before round 1")
     parser.add_argument("--ready-file", type=Path, help="written once the agent is ready (its data loaded)")
     parser.add_argument(
-        "--held-task-file", type=Path, help="where the task being served is kept, so that a restarted agent answers it"
+        "--held-tasks", type=Path, help="where the tasks being served are kept, so that a restarted agent answers them"
     )
     parser.add_argument("--partition-id", type=int, default=0)
     parser.add_argument("--num-partitions", type=int, default=1)
@@ -48,10 +49,10 @@ def main(argv: list[str] | None = None) -> None:
         agent.session_for(args.job.read_text(), args.partition_id, args.num_partitions)
     attach(agent)
     if args.ready_file:
-        args.ready_file.write_text(f"{os.getpid()}\n")
+        AgentThreads(os.getpid(), agent.trainer_tid).save(args.ready_file)
     secret = args.secret_file.read_bytes() if args.secret_file else None
     try:
-        TaskServer(args.runtime_api, app, secret, args.held_task_file).serve(stop)
+        TaskServer(args.runtime_api, app, secret, args.held_tasks).serve(stop)
     finally:
         agent.stop()
 

@@ -4,9 +4,10 @@ trained by a Ray actor for one virtual client at a time.
 
 Between messages a client's session lives where Flower keeps a node's state, in its ``Context.state``: pickled
 into one ConfigRecord without the partition's rows, which are attached again from this worker's cache of the data
-set. A message is answered as a deployment's agent answers it at DGA's staleness bound: every round it unlocks
-is trained, then all are sent (a deployment's agent may answer earlier, while it trains on; the virtual clock in
-``netem.clock`` times the simulated form). Node config (set by Flower): ``partition-id``, ``num-partitions``.
+set. A message is answered with the rounds it asks for (``next_round`` to ``last_round``) that the session can
+train, trained at once: a pipelined run (FedAvg, DGA) asks for one round at the modelled moment the deployment's
+agent would start it, FedBuff and partial participation for every round the message unlocks, up to DGA's
+staleness bound (``fl_server.simulation``). Node config (set by Flower): ``partition-id``, ``num-partitions``.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def train(msg: Message, context: Context) -> Message:
     if not instr.asks_for_rounds:
         return Message(reply_content(TrainReply(partition_id, (), {}, SIMULATION)), reply_to=msg)
     session = _session(context, job, partition_id)
-    session.take_instruction(instr, now=0.0)
-    while session.can_train():
+    session.take_instruction(instr)
+    while session.can_train() and session.next_round <= instr.last_round:
         session.train_next()
-    ready = session.take_outbox(now=0.0)
+    ready = session.take_outbox()
     context.state[SESSION] = ConfigRecord({"pickle": pickle.dumps(session)})
     return Message(reply_content(TrainReply(partition_id, tuple(ready), {}, SIMULATION)), reply_to=msg)

@@ -7,9 +7,13 @@ one) → PullTaskInput, PullMessages, PullObject × n, ConfirmMessageReceived �
 PushObject × m → PushTaskOutput. A heartbeat keeps the task claimed while the ClientApp works (Flower fails a
 task that sends none for 60 s). The Runtime API listens on the device's loopback only.
 
-A task whose message this process has pulled is kept on disk (``HeldTask``) until it is answered: an agent that
-died holding one (kill -9, out of memory, a power cut of the agent's container) answers it with an error as soon
-as it is back, so the server sends its model again at once instead of after Flower's 60 s task expiry."""
+Tasks are served side by side, up to ``MAX_TASKS`` at once: edgefl's SuperNode hands over every message queued
+for it (``contract.transport``), and the agent holds each until it has an update to answer it with.
+
+A task whose message this process has pulled is kept on disk (``HeldTask``, one file per task in the held-tasks
+folder) until it is answered: an agent that died holding some (kill -9, out of memory, a power cut of the agent's
+container) answers them with an error as soon as it is back, so the server sends its model again at once instead
+of after Flower's 60 s task expiry."""
 
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ from flwr.supercore.interceptors import (
     RuntimeVersionHttpInterceptor,
     SuperExecAuthHttpInterceptor,
 )
+from flwr.supercore.retry import RetryInvoker, constant
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.task_identity import TaskIdentity
 from google.protobuf.message import DecodeError
@@ -67,6 +72,10 @@ POLL_S = (0.005, 0.1)  # an empty AcquireTask is retried after 5 ms, ×1.5 each 
 RECONNECT_S = 0.5  # the SuperNode is not (yet, or no longer) up
 LOG_PREFIX = "served task "
 INPUT_WAIT_S = 5.0  # the task's message is stored right after the task: wait this long for it at most
+MAX_TASKS = 4  # tasks served at once: the server keeps at most a few messages in flight per node
+RESENDS = 5  # tries of a request whose kept-alive connection the SuperNode closed before reading it
+RESEND_S = 0.05
+RESENT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
 ABANDONED = "the agent restarted while serving this message"
 
 
@@ -99,10 +108,18 @@ class HeldTask:
     token: str
     message: Message
 
-    def save(self, path: Path) -> None:
+    SUFFIX = ".task"
+
+    @classmethod
+    def path(cls, folder: Path, task_id: int) -> Path:
+        return folder / f"{task_id}{cls.SUFFIX}"
+
+    def save(self, folder: Path) -> None:
         """Written whole (rename) and readable by this user only: the token answers the task."""
         proto = message_to_proto(remove_content_from_message(self.message)).SerializeToString()
         record = {"task_id": self.task_id, "token": self.token, "message": base64.b64encode(proto).decode()}
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self.path(folder, self.task_id)
         partial = path.with_name(path.name + ".partial")
         partial.unlink(missing_ok=True)
         with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
@@ -126,85 +143,108 @@ class HeldTask:
 
 class TaskServer:
     """Claims the tasks of the SuperNode whose Runtime API is at ``address`` (HOST:PORT) and runs ``app`` on
-    each, one at a time, until ``stop`` is set. ``secret``: the SuperNode's SuperExec auth secret, if any;
-    ``held_file``: where the task being served is kept (``HeldTask``), None to keep none."""
+    each, up to ``MAX_TASKS`` at once (a thread each), until ``stop`` is set. ``secret``: the SuperNode's SuperExec
+    auth secret, if any; ``held_dir``: where the tasks being served are kept (``HeldTask``), None to keep none."""
 
-    def __init__(
-        self, address: str, app: ClientApp, secret: bytes | None = None, held_file: Path | None = None
-    ) -> None:
+    def __init__(self, address: str, app: ClientApp, secret: bytes | None = None, held_dir: Path | None = None) -> None:
         self.address = address
         self.app = app
-        self.held_file = held_file
+        self.held_dir = held_dir
         interceptors = [RuntimeVersionHttpInterceptor(component_name=COMPONENT)]
         if secret:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE}))
         self._claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
+        self._serving = threading.BoundedSemaphore(MAX_TASKS)
 
     def serve(self, stop: threading.Event) -> None:
-        delay, connected, abandoned = POLL_S[0], None, self.held_file is not None
+        delay, connected, abandoned = POLL_S[0], None, self.held_dir is not None
         while not stop.is_set():
             try:
                 if abandoned:
                     self.answer_abandoned()
                     abandoned = False
-                served = self.serve_one()
+                claimed = self.claim_one()
             except httpx.TransportError as exc:
                 if connected is not False:
                     log.warning("no SuperNode at %s (%s); retrying every %.1f s", self.address, exc, RECONNECT_S)
                 connected = False
                 stop.wait(RECONNECT_S)
                 continue
-            except httpx.HTTPStatusError as exc:  # e.g. a task whose SuperNode restarted meanwhile: it is gone
-                log.warning("the SuperNode refused a request (%s); going on with the next task", exc)
-                served = True
+            except httpx.HTTPStatusError as exc:
+                log.warning("the SuperNode refused a claim (%s); going on", exc)
+                claimed = False
             if connected is not True:
                 log.info("serving the tasks of the SuperNode at %s", self.address)
                 connected = True
-            delay = POLL_S[0] if served else min(delay * 1.5, POLL_S[1])
-            if not served:
+            delay = POLL_S[0] if claimed else min(delay * 1.5, POLL_S[1])
+            if not claimed:
                 stop.wait(delay)
 
-    def serve_one(self) -> bool:
-        """Claim one pending task and serve it; False when there was none."""
-        claim = self._claims.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+    def claim_one(self) -> bool:
+        """Claim one pending task and serve it in a thread of its own; False when there was none to claim, or
+        ``MAX_TASKS`` are being served."""
+        if not self._serving.acquire(blocking=False):
+            return False
+        try:
+            claim = self._claims.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+        except BaseException:
+            self._serving.release()
+            raise
         if not (claim.HasField("task") and claim.token):
+            self._serving.release()
             return False
         claimed = time.monotonic()
         log.info("claimed task %d", claim.task.task_id)
-        client = self._task_client(claim.token)
-        heartbeat = HeartbeatSender(lambda: _heartbeat(client, claim.task.task_id))
+        args = (claim.task.task_id, claim.token, claimed)
+        threading.Thread(target=self.serve_claimed, args=args, daemon=True, name=f"task-{claim.task.task_id}").start()
+        return True
+
+    def serve_claimed(self, task_id: int, token: str, claimed: float) -> None:
+        """Serve the claimed task ``task_id`` to its end: its message in, the app, the reply out."""
+        client = self._task_client(token)
+        heartbeat = HeartbeatSender(lambda: _heartbeat(client, task_id))
         heartbeat.start()
         try:
-            self._serve(client, claim.task.task_id, claim.token, claimed)
+            self._serve(client, task_id, token, claimed)
+        except httpx.TransportError as exc:
+            log.warning("task %d: the SuperNode went away (%s)", task_id, exc)
+        except httpx.HTTPStatusError as exc:  # e.g. a task whose SuperNode restarted meanwhile: it is gone
+            log.warning("task %d: the SuperNode refused a request (%s)", task_id, exc)
         finally:
             heartbeat.stop()
             client.close()
-            if self.held_file:  # kept only by an agent that dies serving the task
-                self.held_file.unlink(missing_ok=True)
-        return True
+            if self.held_dir:  # kept only by an agent that dies serving the task
+                HeldTask.path(self.held_dir, task_id).unlink(missing_ok=True)
+            self._serving.release()
 
     def answer_abandoned(self) -> None:
-        """Answer, with an error, the task a previous agent held when it died (``HeldTask``); the SuperNode
-        refuses if it already failed the task itself (60 s without heartbeats)."""
-        if self.held_file is None:
+        """Answer, with an error, the tasks a previous agent held when it died (``HeldTask``); the SuperNode
+        refuses for a task it already failed itself (60 s without heartbeats)."""
+        if self.held_dir is None:
             return
-        if held := HeldTask.load(self.held_file):
-            client = self._task_client(held.token)
-            try:
-                _push_reply(client, Message(Error(ErrorCode.CLIENT_APP_CRASHED, ABANDONED), reply_to=held.message))
-                _push_output(client, None, SubStatus.FAILED, ABANDONED)
-                log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
-            except httpx.HTTPStatusError as exc:
-                log.warning("the SuperNode no longer holds task %d of the previous agent (%s)", held.task_id, exc)
-            finally:
-                client.close()
-        self.held_file.unlink(missing_ok=True)
+        for record in sorted(self.held_dir.glob("*" + HeldTask.SUFFIX)):
+            if held := HeldTask.load(record):
+                client = self._task_client(held.token)
+                try:
+                    _push_reply(client, Message(Error(ErrorCode.CLIENT_APP_CRASHED, ABANDONED), reply_to=held.message))
+                    _push_output(client, None, SubStatus.FAILED, ABANDONED)
+                    log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
+                except httpx.HTTPStatusError as exc:
+                    log.warning("the SuperNode no longer holds task %d of the previous agent (%s)", held.task_id, exc)
+                finally:
+                    client.close()
+            record.unlink(missing_ok=True)
 
     def _task_client(self, token: str) -> RuntimeHttpClient:
-        """A Runtime API client for the task that ``token`` claims."""
+        """A Runtime API client for the task that ``token`` claims. A held task's pooled connection may sit idle
+        past the SuperNode's keep-alive (5 s) and be closed just as the reply goes out on it ("disconnected without
+        sending a response", or reset): such a request is sent again on a new connection, as Flower's SuperNode
+        resends its own (``flwr.supercore.retry``); a reply half-pushed would otherwise hold the SuperNode, which
+        waits for its objects, forever."""
         return RuntimeHttpClient.from_server_address(
             self.address, True, None,
             [RuntimeVersionHttpInterceptor(component_name=COMPONENT), RuntimeTokenHttpInterceptor(token)],
+            retry_invoker=RetryInvoker(lambda: constant(RESEND_S), RESENT, RESENDS, None, jitter=None),
         )  # fmt: skip
 
     def _serve(self, client: RuntimeHttpClient, task_id: int, token: str, claimed: float) -> None:
@@ -212,8 +252,8 @@ class TaskServer:
         status, details = SubStatus.FAILED, "the ClientApp failed"
         try:
             message, context = _pull_input(client)
-            if self.held_file:
-                HeldTask(task_id, token, message).save(self.held_file)
+            if self.held_dir:
+                HeldTask(task_id, token, message).save(self.held_dir)
             pulled = time.monotonic()
             reply = self.app(message, context)
             status, details = SubStatus.COMPLETED, ""
@@ -228,8 +268,8 @@ class TaskServer:
         answered = time.monotonic()
         try:
             _push_reply(client, reply)
-            if self.held_file:  # answered: an agent restarted from here on must not answer it again
-                self.held_file.unlink()
+            if self.held_dir:  # answered: an agent restarted from here on must not answer it again
+                HeldTask.path(self.held_dir, task_id).unlink()
         finally:
             _push_output(client, context, status, details)
         log.info(TaskTiming(message.metadata.message_id, claimed, pulled, answered, time.monotonic()).log_line())
@@ -274,9 +314,11 @@ def _pull_input(client: RuntimeHttpClient) -> tuple[Message, Context]:
 
 
 def _push_reply(client: RuntimeHttpClient, reply: Message) -> None:
+    """The reply and its objects to the SuperNode; each object is serialized for its id once and once to send."""
     node, run_id = Node(node_id=reply.metadata.src_node_id), reply.metadata.run_id
-    reply.metadata.__dict__["_message_id"] = reply.object_id
     with no_object_id_recompute():
+        objects = get_all_nested_objects(reply)
+        reply.metadata.__dict__["_message_id"] = reply.object_id
         pushed = client.PushMessages(
             PushAppMessagesRequest(
                 messages_list=[message_to_proto(remove_content_from_message(reply))],
@@ -284,7 +326,7 @@ def _push_reply(client: RuntimeHttpClient, reply: Message) -> None:
             )
         )
         push_objects(
-            get_all_nested_objects(reply),
+            objects,
             make_push_object_fn_protobuf(client.PushObject, node, run_id, pushed.session_id),
             object_ids_to_push=set(pushed.objects_to_push),
             max_concurrent_pushes=CONCURRENCY,

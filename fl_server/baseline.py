@@ -30,7 +30,7 @@ from contract.settings import RunConfig
 from contract.transport import STOCK
 from contract.wire import WireSize, wire_size
 from fl_server.app import run_app
-from fl_server.engine import wait_for_nodes
+from fl_server.engine import evaluation_sample, wait_for_nodes
 from ml.data import load_dataset
 from ml.models import build_model
 from ml.trainer import evaluate
@@ -78,13 +78,16 @@ class _Meter:
         partition = int(metrics.get("partition-id", -1))
         if not reply.has_error():
             self.replied.add(partition)
+        train_s = float(metrics.get("train-s", 0.0))
         trip = MessageTrip(
             message_id=message_id,
             node=node,
             partition=partition,
             sent_at=sent_at,
             round_trip_s=pulled_at - sent_at,
-            train_s=float(metrics.get("train-s", 0.0)),
+            train_s=train_s,
+            held_s=train_s,  # Flower's ClientApp process holds the message while it starts: that is its path
+            path_s=pulled_at - sent_at - train_s,
             rounds=[],
             bytes_down=sent.bytes,
             bytes_up=size.bytes,
@@ -104,7 +107,8 @@ class _Meter:
 def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
     torch.set_num_threads(1)
     dataset = load_dataset(config.dataset, config.data_dir or None)
-    model = build_model(dataset, config.seed)
+    model = build_model(dataset, config.seed, config.model)
+    test = evaluation_sample(dataset.x_test, dataset.y_test, config.eval_examples, config.seed)  # as edgefl's runs
     meter = _Meter(grid, folder)
     wait_for_nodes(grid, config.clients)
     clock = {"t0": 0.0, "eval_s": 0.0}
@@ -115,8 +119,11 @@ def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
             clock["t0"] = started
             return MetricRecord({})
         wall = started - clock["t0"] - clock["eval_s"]
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = evaluate(model, dataset.x_test, dataset.y_test)
+        loss = accuracy = None
+        if config.evaluates(server_round):
+            model.load_state_dict(arrays.to_torch_state_dict())
+            loss, accuracy = evaluate(model, *test)
+            log.info("round %d  accuracy %.4f  wall %.1f s", server_round, accuracy, wall)
         up, down, clients = meter.take()
         folder.append(
             ROUNDS,
@@ -133,9 +140,8 @@ def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
                 "rejected": [],
             },
         )
-        log.info("round %d  accuracy %.4f  wall %.1f s", server_round, accuracy, wall)
         clock["eval_s"] += time.monotonic() - started
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
+        return MetricRecord({} if accuracy is None else {"accuracy": accuracy, "loss": loss})
 
     strategy = FedAvg(  # partial participation: Flower's own sampler (not seeded by the run's seed)
         fraction_train=config.per_round / config.clients,
@@ -150,7 +156,7 @@ def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
         train_config=ConfigRecord({k: v for k, v in config.client_job().as_dict().items() if not isinstance(v, bool)}),
         evaluate_fn=evaluate_fn,
     )
-    summary = summarize(config.as_dict(), read_rounds(folder.path))
+    summary = summarize(config.as_dict(), read_rounds(folder.path), read_rounds(folder.path, MESSAGES))
     folder.write(SUMMARY, summary_bytes({**summary, "transport": STOCK}))
 
 

@@ -65,12 +65,22 @@ from ml.onnx import export_onnx
 from ml.trainer import evaluate
 from strategies.downlink import BroadcastEncoder, model_digest
 from strategies.fedavg import global_momentum
-from strategies.rounds import MAX_FAILED_REPLIES, ClosedRound, Rejection, Request, RoundEngine, Update
+from strategies.rounds import (
+    MAX_FAILED_REPLIES,
+    ClosedRound,
+    Rejection,
+    Request,
+    RoundEngine,
+    Update,
+    pipeline_window,
+)
 from strategies.validation import NormOutlierFilter
 
 log = logging.getLogger("edgefl.server")
 
 POLL_S = 0.02
+PULL_INTERVAL_S = (0.02, 0.1)  # between pull calls: 20 ms after one that brought a reply, ×1.5 per empty one, up to
+# 100 ms. Each call is a request the SuperLink serves (a few ms of its CPU): every 20 ms costs it a tenth of a core.
 PULL_CALLS = 4  # pull calls at once at most (ReplyPuller)
 PULL_STALLED_S = 2.0  # a pull call this old is waiting on an upload: another may start beside it
 NODE_WAIT_S = 180.0
@@ -114,15 +124,17 @@ def _yield_cpu() -> None:
 
 
 class Evaluator:
-    """Evaluates the global model of each closed round on the test split, appends its rounds.jsonl row, then
-    writes its checkpoint (so rows never lag behind the checkpoint)."""
+    """Evaluates the global model of each closed round that ``RunConfig.evaluates`` on the test split, appends the
+    round's rounds.jsonl row (``test_accuracy`` and ``test_loss`` null for a round not evaluated), then writes its
+    checkpoint (so rows never lag behind the checkpoint)."""
 
     def __init__(self, config: RunConfig, folder: RunFolder) -> None:
         self.dataset = load_dataset(config.dataset, config.data_dir or None)
         test = self.dataset.x_test, self.dataset.y_test
         self.x, self.y = evaluation_sample(*test, config.eval_examples, config.seed)
-        self.model = build_model(self.dataset, config.seed)
+        self.model = build_model(self.dataset, config.seed, config.model)
         self.folder = folder
+        self.config = config
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluate", initializer=_yield_cpu)
         self._pending: list[Future[None]] = []
 
@@ -138,12 +150,13 @@ class Evaluator:
             future.result()
 
     def _evaluate(self, row: dict[str, Any], c: Checkpoint) -> None:
-        set_flat_params(self.model, c.params)
-        loss, accuracy = evaluate(self.model, self.x, self.y)
-        row = {**row, "test_loss": loss, "test_accuracy": accuracy}
-        self.folder.append(ROUNDS, row)
+        loss = accuracy = None
+        if self.config.evaluates(c.round):
+            set_flat_params(self.model, c.params)
+            loss, accuracy = evaluate(self.model, self.x, self.y)
+            log.info("round %d  accuracy %.4f  loss %.4f  wall %.1f s", c.round, accuracy, loss, row["wall_s"])
+        self.folder.append(ROUNDS, {**row, "test_loss": loss, "test_accuracy": accuracy})
         save_checkpoint(self.folder.path, c.round, c.params, c.wall_s, c.recent_norms, c.momentum)
-        log.info("round %d  accuracy %.4f  loss %.4f  wall %.1f s", row["round"], accuracy, loss, row["wall_s"])
 
     def close(self) -> None:
         """Wait for the evaluations left; raises the first that failed."""
@@ -188,18 +201,22 @@ class ReplyPuller:
         self._lock = threading.Lock()
         self._pulled: queue.SimpleQueue[Pulled | BaseException] = queue.SimpleQueue()
         self._taken: list[Pulled | BaseException] = []  # what wait() took off the queue, for take()
+        self._interval, self._last_start = PULL_INTERVAL_S[0], 0.0
 
     def poll(self, message_ids: list[str]) -> None:
         """Start a call that pulls whichever of ``message_ids`` have replies, unless calls are running that are
-        not stalled (or ``calls`` are running)."""
+        not stalled (or ``calls`` are running), or the last one started less than the poll interval ago (20 ms
+        after a reply, backing off to 100 ms while none comes)."""
         now = time.monotonic()
         with self._lock:
             running = self._started.values()
             if len(running) >= self.calls or any(now - start < PULL_STALLED_S for start in running):
                 return
+            if now - self._last_start < self._interval:
+                return
             thread = threading.Thread(target=self._pull, args=(message_ids, bool(running)), name="pull", daemon=True)
             thread.start()
-            self._started[thread.ident] = now
+            self._started[thread.ident] = self._last_start = now
 
     def wait(self, timeout_s: float) -> None:
         """Return once a reply is pulled (or a call failed), or after ``timeout_s``: the loop's idle wait."""
@@ -220,16 +237,20 @@ class ReplyPuller:
         return items  # type: ignore[return-value]
 
     def _pull(self, message_ids: list[str], beside_older: bool) -> None:
+        brought = False
         try:
             for reply in self.grid.pull_messages(message_ids):
                 if beside_older and reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:
                     continue  # an older call may hold it
                 self._pulled.put(Pulled(reply, parsed_reply(reply), wire_size(reply), time.monotonic()))
+                brought = True
         except BaseException as exc:  # handed to the loop's thread
             self._pulled.put(exc)
         finally:
             with self._lock:
                 del self._started[threading.get_ident()]
+                grown = min(self._interval * 1.5, PULL_INTERVAL_S[1])
+                self._interval = PULL_INTERVAL_S[0] if brought else grown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +310,7 @@ class ServerLoop:
             sampler=job.sampler(),
             buffer=config.strategy_spec.buffer,
             server_lr=config.strategy_spec.server_lr,
+            window=pipeline_window(config.strategy_spec.delay, config.strategy_spec.buffer, job.sampler().everyone),
         )
         self.wall_offset_s = start.wall_s
         self.broadcaster = BroadcastEncoder(  # --compress-down: clients are sent x̂, see strategies.downlink
@@ -311,6 +333,7 @@ class ServerLoop:
         )  # fmt: skip
         self.t0 = self.now() - self.wall_offset_s
         self.engine.start_clock(self.now())
+        self._started()
         refreshed = time.monotonic()
         try:
             while not self.engine.done:
@@ -326,12 +349,23 @@ class ServerLoop:
         finally:
             self.evaluator.close()
         self.evaluator.export(self.engine.global_params)
-        summary = summarize(self.config.as_dict(), read_rounds(self.folder.path))
+        summary = summarize(
+            self.config.as_dict(), read_rounds(self.folder.path), read_rounds(self.folder.path, MESSAGES)
+        )
         self.folder.write(SUMMARY, summary_bytes({**summary, **self.summary_extra()}))
 
     def now(self) -> float:
         """The run's clock: this host's monotonic seconds (a simulation's is modelled, ``fl_server.simulation``)."""
         return time.monotonic()
+
+    def _started(self) -> None:
+        """Every partition has its node and the clock runs (a simulation sets up its clients' timelines here)."""
+
+    def _round_closed(self, closed: ClosedRound, now: float) -> None:
+        """A round closed at ``now``: its row and checkpoint go to the evaluator."""
+        norms = np.array(self.validator.norms)
+        checkpoint = Checkpoint(closed.round, closed.global_params, now - self.t0, norms, closed.momentum)
+        self.evaluator.submit(self._row(closed, now - self.t0), checkpoint)
 
     def summary_extra(self) -> dict[str, Any]:
         """What summary.json says about how the run was carried, next to its results."""
@@ -365,12 +399,20 @@ class ServerLoop:
             self.outstanding = {msg_id: m for msg_id, m in self.outstanding.items() if m.node != node}
 
     def _push(self) -> bool:
-        messages = [(train_message(TrainInstruction.identify(self.job), node), True) for node in self.members.to_ask()]
+        messages = self._identify_messages()
         for node in sorted(self.members.admitted):
             while (request := self.engine.next_request(node, self.partition_of.get(node))) is not None:
                 messages.append((self._message(node, request), False))
+        return bool(self._send(messages))
+
+    def _identify_messages(self) -> list[tuple[Message, bool]]:
+        """A new node is first asked which partition it trains (``fl_server.membership``)."""
+        return [(train_message(TrainInstruction.identify(self.job), node), True) for node in self.members.to_ask()]
+
+    def _send(self, messages: list[tuple[Message, bool]]) -> list[str]:
+        """Push (message, asks who the node is) pairs; each is then outstanding until its reply is settled."""
         if not messages:
-            return False
+            return []
         sent_at = self.now()
         ids = list(self.grid.push_messages([msg for msg, _ in messages]))
         for (msg, identify), msg_id in zip(messages, ids, strict=True):
@@ -379,7 +421,7 @@ class ServerLoop:
             size = wire_size(msg)
             self.outstanding[msg_id] = InFlight(msg.metadata.dst_node_id, sent_at, size, identify)
             self.traffic.down += size.bytes
-        return True
+        return ids
 
     def _pull(self) -> bool:
         """Settle the replies pulled meanwhile and pull again. A reply to a message no longer outstanding (its
@@ -400,6 +442,7 @@ class ServerLoop:
         self.traffic.up += size.bytes
         handle = self._identified if sent.identify else self._receive
         updates = handle(sent.node, reply, parsed)
+        held_s = parsed.held_s if isinstance(parsed, TrainReply) else 0.0
         trip = MessageTrip(
             message_id=message_id,
             node=sent.node,
@@ -407,6 +450,8 @@ class ServerLoop:
             sent_at=sent.sent_at,
             round_trip_s=pulled_at - sent.sent_at,
             train_s=sum(u.train_s for u in updates),
+            held_s=held_s,
+            path_s=pulled_at - sent.sent_at - held_s,
             rounds=[u.round for u in updates],
             bytes_down=sent.size.bytes,
             bytes_up=size.bytes,
@@ -468,10 +513,7 @@ class ServerLoop:
         now = self.now()
         closed_rounds = self.engine.close_rounds(now)
         for closed in closed_rounds:
-            wall_s = now - self.t0
-            norms = np.array(self.validator.norms)
-            checkpoint = Checkpoint(closed.round, closed.global_params, wall_s, norms, closed.momentum)
-            self.evaluator.submit(self._row(closed, wall_s), checkpoint)
+            self._round_closed(closed, now)
         return bool(closed_rounds)
 
     def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:

@@ -1,19 +1,30 @@
 """The server of a run on Flower's Simulation Engine (``--federation simulation``, started by
 ``edgefl.simulation``): the deployment's server loop, round engine, strategies and codecs, on a virtual clock.
 
-The clock: the server keeps a modelled time instead of this host's. A message pushed at time s to partition j is
-answered at s + ``netem.clock.ClientModel.cycle_s`` of j's link and device, its bytes each way, the local steps
-its reply trained and how many cycles j made before. Replies are taken in that order, not in the order Ray
-finishes them: a reply is taken once every message in flight has been answered (none can then arrive earlier,
-since a message sent later is answered later), so asynchronous strategies (DGA, FedBuff) see the arrival order the
-links and devices imply, and a round's deadline passes at its modelled time. rounds.jsonl's ``wall_s`` and the
-summary's times are modelled seconds; ``real_s`` in each row is this host's.
+The clock: the server keeps a modelled time instead of this host's, and takes replies in modelled arrival order,
+not in the order Ray finishes them, so asynchronous strategies see the arrival order the links and devices imply
+and a round's deadline passes at its modelled time. rounds.jsonl's ``wall_s`` and the summary's times are
+modelled seconds; ``real_s`` in each row is this host's. Two ways of timing a client:
+
+- FedAvg and DGA with every client in every round run the deployment's pipeline (``edge.agent`` with two messages
+  in flight, ``strategies.rounds``): each client is a ``netem.clock.ClientTimeline`` — one trainer, round after
+  round, each round started once the trainer is free and a global model it may start from has reached the
+  device (a global model reaches it ``down_s`` after its round closes), each update at the server ``up_s`` after
+  it is trained. When a round is due to start, Ray is sent a message that asks for that round alone, bringing
+  the newest global model that has reached the device by then: each round trains from the model the
+  deployment's agent would hold. The clock moves to the next start or arrival once no message in flight can
+  still arrive earlier.
+- FedBuff and partial participation are timed per message: a message pushed at time s is answered, at DGA's
+  staleness bound, at s + ``ClientModel.cycle_s`` of its bytes each way and the steps its reply trained; a reply
+  is taken once every message in flight has been answered (none can then arrive earlier).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -23,19 +34,29 @@ import torch
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from contract.messages import TrainReply
+from contract.messages import TrainInstruction, TrainReply
 from contract.run_folder import RunFolder
 from contract.settings import RunConfig
 from contract.transport import SIMULATION
-from contract.wire import WireSize, wire_size
-from fl_server.engine import ServerLoop, parsed_reply
+from contract.wire import WireSize, train_message, wire_size
+from fl_server.engine import InFlight, ServerLoop, parsed_reply
 from ml.data import load_dataset
 from ml.models import build_model
 from ml.trainer import LocalTrainer
-from netem.clock import MESSAGE_FIXED_S, MESSAGE_RTTS, POOLED_CONNECTIONS, ClientModel, client_models
+from netem.clock import (
+    DEVICE_FIXED_S,
+    DEVICE_S_PER_MB,
+    MESSAGE_FIXED_S,
+    MESSAGE_RTTS,
+    POOLED_CONNECTIONS,
+    ClientModel,
+    ClientTimeline,
+    client_models,
+)
 from netem.fleet import devices_for, links_for
 from netem.profiles import BUILTIN_LINKS
-from strategies.rounds import ClosedRound
+from strategies.downlink import DENSE_STYPE, NO_BASE, Broadcast, Part, dense_payload, model_digest
+from strategies.rounds import ClosedRound, Request
 
 STEP_SAMPLES = 50  # timed local steps (after 5 untimed) that set this host's seconds per step
 
@@ -45,7 +66,7 @@ def host_step_s(config: RunConfig) -> float:
     Measure it while nothing else runs (before Ray starts its workers)."""
     torch.set_num_threads(1)
     dataset = load_dataset(config.dataset, config.data_dir or None)
-    model = build_model(dataset, config.seed)
+    model = build_model(dataset, config.seed, config.model)
     rows = np.arange(min(len(dataset.y_train), 50 * config.batch_size))
     trainer = LocalTrainer(model, dataset.x_train.subset(rows), dataset.y_train[rows], config.batch_size,
                            config.lr, config.momentum, config.seed)  # fmt: skip
@@ -69,6 +90,14 @@ class SimulatedServerLoop(ServerLoop):
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
         self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s)
         self.cycles: Counter[int] = Counter()  # partition → message cycles it made (the first pay slow start)
+        self.pipelined = (  # see the docstring
+            not config.strategy_spec.buffer and self.engine.sampler.everyone and config.compress_down == "none"
+        )
+        self.timelines: dict[int, ClientTimeline] = {}  # partition → its pipeline, once the clock runs
+        self.starting: dict[str, tuple[int, float]] = {}  # message → (partition, when its round starts)
+        self.globals: dict[int, np.ndarray] = {self.engine.aggregated: self.engine.global_params}
+        self.held: dict[int, int] = {}  # partition → the newest global round sent to it
+        self.down_bytes = 0  # a global model's message (the first one measured; dense)
         self.clock = 0.0
         self.arrivals: list[tuple[float, int, Message, Any, WireSize]] = []  # a heap of (modelled arrival, seq,
         # reply, parsed reply, its size): replies Ray has finished that the clock has not reached yet
@@ -86,11 +115,65 @@ class SimulatedServerLoop(ServerLoop):
                 "message_fixed_s": MESSAGE_FIXED_S,
                 "message_rtts": MESSAGE_RTTS,
                 "pooled_connections": POOLED_CONNECTIONS,
+                "device_fixed_s": DEVICE_FIXED_S,
+                "device_s_per_mb": DEVICE_S_PER_MB,
+                "pipelined": self.pipelined,
             },
             "real_s": time.monotonic() - self.real_t0,
         }
 
+    def _started(self) -> None:
+        if not self.pipelined:
+            return
+        start_round = self.engine.aggregated
+        first = wire_size(self._dense_message(0, Request(start_round + 1, start_round + 1, None, None)))
+        for partition, model in enumerate(self.models):
+            timeline = ClientTimeline(model, self.config.local_steps, self.engine.delay)
+            timeline.next_round = start_round + 1
+            if start_round == 0:  # every client builds the seeded start model itself: the first message names it
+                timeline.arrivals.append((self.clock + model.down_s(first.bytes, 0), start_round))
+            else:  # a resumed run: the first message brings the checkpoint's model, dense
+                timeline.global_sent(self.clock, start_round, self.engine.global_params.nbytes)
+            self.held[partition] = -1  # nothing delivered yet
+            self.timelines[partition] = timeline
+
+    def _round_closed(self, closed: ClosedRound, now: float) -> None:
+        super()._round_closed(closed, now)
+        if self.pipelined:
+            self.globals[closed.round] = closed.global_params
+            for old in [r for r in self.globals if r < closed.round - self.engine.delay - 1]:
+                del self.globals[old]  # no round can start from it any more
+            for timeline in self.timelines.values():
+                timeline.global_sent(now, closed.round, self.down_bytes or self.engine.global_params.nbytes)
+
+    def _push(self) -> bool:
+        if not self.pipelined:
+            return super()._push()
+        busy = bool(self._send(self._identify_messages()))  # the rounds wait for the clock to start (_started)
+        for node, partition in sorted(self.members.admitted.items()):
+            if not self.timelines:
+                break
+            timeline = self.timelines[partition]
+            start = self._next_start(partition)
+            if start is None or start > self.clock:
+                continue
+            newest = timeline.newest_by(start)
+            fresh = newest if newest > self.held[partition] else None
+            request = self.engine.assign(node, timeline.next_round, fresh, self.globals.get(newest))
+            message = self._dense_message(node, request)
+            size = wire_size(message)
+            if fresh is not None:
+                self.held[partition], self.down_bytes = fresh, self.down_bytes or size.bytes
+            down = timeline.model.down_s(self.down_bytes or size.bytes, timeline.cycles)
+            [msg_id] = self._send([(message, False)])
+            self.outstanding[msg_id] = InFlight(node, start - down, size)  # when the model would have left
+            self.starting[msg_id] = (partition, start)
+            busy = True
+        return busy
+
     def _pull(self) -> bool:
+        if self.timelines:
+            return self._pull_pipelined()
         arrived = {reply.metadata.reply_to_message_id for _, _, reply, _, _ in self.arrivals}
         waiting = [msg_id for msg_id in self.outstanding if msg_id not in arrived]
         replies = list(self.grid.pull_messages(waiting)) if waiting else []
@@ -109,13 +192,80 @@ class SimulatedServerLoop(ServerLoop):
         self._settle(reply, parsed, size, self.clock)
         return True
 
+    def _dense_message(self, node: int, request: Request) -> Message:
+        """The request with its global model dense: which model reaches a device first depends on the modelled
+        clock, so the broadcast is not a delta of the one before (hence pipelined runs take ``--compress-down
+        none``)."""
+        broadcast = None
+        if request.global_round is not None and request.held_round == request.global_round:  # it built it itself
+            broadcast = Broadcast(request.held_round, (), model_digest(request.global_params))
+        elif request.global_round is not None:
+            part = Part(request.global_round, DENSE_STYPE, dense_payload(request.global_params))
+            broadcast = Broadcast(NO_BASE, (part,), model_digest(request.global_params))
+        instruction = TrainInstruction(self.job, request.next_round, request.last_round, broadcast)
+        return train_message(instruction, node)
+
+    def _next_start(self, partition: int) -> float | None:
+        """When the partition's next round starts (``ClientTimeline.start_s``); None while its last one is not back
+        from Ray, it has none left, or no global model it may start from has been sent. A round that closed
+        meanwhile is skipped: the deployment's next message tells the agent to."""
+        timeline = self.timelines[partition]
+        timeline.next_round = max(timeline.next_round, self.engine.aggregated + 1)
+        if timeline.next_round > self.config.rounds or any(p == partition for p, _ in self.starting.values()):
+            return None
+        return timeline.start_s()
+
+    def _pull_pipelined(self) -> bool:
+        """Take Ray's answers, then move the clock to the next event — a round's start (``_push`` sends it) or an
+        update's arrival (settled) — once no message Ray has not answered yet can arrive before it."""
+        arrived = {reply.metadata.reply_to_message_id for _, _, reply, _, _ in self.arrivals}
+        waiting = [msg_id for msg_id in self.outstanding if msg_id not in arrived]
+        replies = list(self.grid.pull_messages(waiting)) if waiting else []
+        for reply in replies:
+            self._arrive(reply)
+        answered = {reply.metadata.reply_to_message_id for _, _, reply, _, _ in self.arrivals}
+        earliest = min(  # no unanswered message arrives before its training is done
+            (
+                start + self.timelines[p].round_s
+                for msg_id, (p, start) in self.starting.items()
+                if msg_id not in answered
+            ),
+            default=math.inf,
+        )
+        starts = [self._next_start(partition) for partition in self.timelines]
+        next_start = min((start for start in starts if start is not None), default=math.inf)
+        next_arrival = self.arrivals[0][0] if self.arrivals else math.inf
+        upcoming = min(next_start, next_arrival)
+        if upcoming == math.inf or upcoming > earliest:
+            return bool(replies)
+        deadline = self.engine.deadline_at
+        if deadline is not None and self.clock <= deadline < upcoming:
+            self.clock = deadline  # the deadline comes first
+            if self._close_rounds():
+                return True
+        self.clock = max(self.clock, upcoming)
+        if next_start <= next_arrival:
+            return True  # _push sends the round that starts now
+        _, _, reply, parsed, size = heapq.heappop(self.arrivals)
+        self._settle(reply, parsed, size, self.clock)
+        return True
+
     def _arrive(self, reply: Message) -> None:
         """A reply Ray has finished: when it arrives on the clock. Identity answers are taken at once (the clock
         starts with the first round)."""
         parsed, size = parsed_reply(reply), wire_size(reply)
-        sent = self.outstanding[reply.metadata.reply_to_message_id]
+        message_id = reply.metadata.reply_to_message_id
+        sent = self.outstanding[message_id]
         if sent.identify:
             self._settle(reply, parsed, size, self.clock)
+            return
+        if message_id in self.starting:
+            partition, start = self.starting.pop(message_id)
+            timeline = self.timelines[partition]
+            at = timeline.train(start, size.bytes)
+            if isinstance(parsed, TrainReply):  # held: the round's training; the rest of the trip is its path
+                parsed = dataclasses.replace(parsed, held_s=timeline.round_s)
+            heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
             return
         steps = len(parsed.updates) * self.config.local_steps if isinstance(parsed, TrainReply) else 0
         partition = self.partition_of[sent.node]

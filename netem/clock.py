@@ -3,10 +3,16 @@ device, so that a run on Flower's Simulation Engine reports modelled seconds ins
 
 A message cycle (the server pushes a message, the client trains the rounds it brings and replies) takes
 
-    t = F + R·rtt + 8·b_down / r_down + s·σ + 8·b_up / r_up  [+ S(b_down) + S(b_up) in a client's first C cycles]
+    t = F + (F_d + H·(b_down + b_up)) / c + R·rtt + 8·b_down / r_down + s·σ + 8·b_up / r_up
+        [+ S(b_down) + S(b_up) in a client's first C cycles]
 
 - F = ``MESSAGE_FIXED_S`` (0.48 s): edgefl's message path on loopback with no training — the SuperNode's poll,
   the Runtime API hand-over, the server's pull (``bench/message_path.py``, "agent, tuned" on loopback);
+- F_d = ``DEVICE_FIXED_S`` and H = ``DEVICE_S_PER_MB``: what the device itself spends on a message cycle, in
+  seconds of one core of this host, besides and per MB of its bytes (Flower's object (de)serialization and
+  hashing, its SuperNode's requests, the hand-over between SuperNode and agent), taking 1/c as long on a device
+  whose cores are a share c of this host's (``edge.devices``): measured on the testbed by
+  ``bench/calibration.py``, from FedAvg's message path with two model sizes on emulated Raspberry Pi 4s;
 - R = ``MESSAGE_RTTS`` (5): the link round trips a cycle costs, the sequential requests of Flower's protocol
   counted in the same bench (PullMessages, the message's objects, ConfirmMessageReceived, PushMessages, the
   reply's objects). That bench's long-distance path (2.89 s) held 3 more, slow start on connections that had not
@@ -24,20 +30,25 @@ A message cycle (the server pushes a message, the client trains the rounds it br
   connection that has not carried one yet. A connection closed after 5 s idle (httpx's and uvicorn's keep-alive)
   is replaced by a new one, cold again: that is left out.
 
-Jitter averages out and is left out. The clock is a plain number the server advances from event to event
+Jitter averages out and is left out. The cycle splits into the message's way down (F/2, F_d/2 and b_down's
+handling, ``DOWN_RTTS`` round trips, the transfer) and the reply's way up (the rest): ``ClientTimeline`` times
+the deployment's pipeline with them. The clock is a plain number the server advances from event to event
 (``fl_server.simulation``); nothing here sleeps.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge.devices import DeviceProfile
 from netem.profiles import Link, LinkProfile
 
 MESSAGE_FIXED_S = 0.48
 MESSAGE_RTTS = 5
+DOWN_RTTS = 3  # of them on the message's way down: PullMessages, the objects, ConfirmMessageReceived
+DEVICE_FIXED_S = 0.0  # this host's core-seconds a device spends on a message cycle besides its bytes
+DEVICE_S_PER_MB = 0.0  # and per MB of message it takes or sends (both measured by bench/calibration.py)
 MSS_BYTES = 1448
 INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
 POOLED_CONNECTIONS = 3  # a message's objects each way, requested in parallel (contract.wire)
@@ -66,20 +77,78 @@ def slow_start_s(size_bytes: int, rate: float, rtt_s: float) -> float:
 
 @dataclass(frozen=True)
 class ClientModel:
-    """One simulated client: its link and its device's seconds per local step."""
+    """One simulated client: its link, its device's seconds per local step, and its share of one core of this host
+    (``edge.devices``), at which it handles messages: ``DEVICE_FIXED_S`` per cycle and ``DEVICE_S_PER_MB`` (Flower's
+    object (de)serialization and hashing, its SuperNode's requests, the hand-over between SuperNode and agent) take
+    1/share as long on the device."""
 
     link: Link
     step_s: float
+    share: float = 1.0
+
+    def _direction(self, profile: LinkProfile, size: int, rtts: int, cycle_index: int) -> float:
+        rtt = self.link.rtt_ms / 1000
+        rate = rate_bps(profile, rtt)
+        cold = slow_start_s(size, rate, rtt) if cycle_index < POOLED_CONNECTIONS else 0.0
+        device = (DEVICE_FIXED_S / 2 + DEVICE_S_PER_MB * size / 1e6) / self.share
+        return MESSAGE_FIXED_S / 2 + rtts * rtt + 8 * size / rate + cold + device
+
+    def down_s(self, bytes_down: int, cycle_index: int) -> float:
+        """Seconds from the server's push until the agent holds the message: PullMessages, the objects,
+        ConfirmMessageReceived (``DOWN_RTTS``), half the fixed cost, the transfer and the device's handling."""
+        return self._direction(self.link.down, bytes_down, DOWN_RTTS, cycle_index)
+
+    def up_s(self, bytes_up: int, cycle_index: int) -> float:
+        """Seconds from the agent's answer until the server has pulled it: PushMessages and the objects."""
+        return self._direction(self.link.up, bytes_up, MESSAGE_RTTS - DOWN_RTTS, cycle_index)
 
     def cycle_s(self, bytes_down: int, steps: int, bytes_up: int, cycle_index: int) -> float:
         """Seconds from the server's push to its pull of the reply, training ``steps`` local steps in between;
         ``cycle_index``: how many cycles this client made before (its first C pay slow start)."""
-        rtt = self.link.rtt_ms / 1000
-        down, up = rate_bps(self.link.down, rtt), rate_bps(self.link.up, rtt)
-        transfer = 8 * bytes_down / down + 8 * bytes_up / up
-        if cycle_index < POOLED_CONNECTIONS:
-            transfer += slow_start_s(bytes_down, down, rtt) + slow_start_s(bytes_up, up, rtt)
-        return MESSAGE_FIXED_S + MESSAGE_RTTS * rtt + transfer + steps * self.step_s
+        return self.down_s(bytes_down, cycle_index) + steps * self.step_s + self.up_s(bytes_up, cycle_index)
+
+
+@dataclass
+class ClientTimeline:
+    """One simulated client as the deployment's agent runs it (``edge.agent``, ``strategies.rounds``): one trainer
+    that trains round after round, each from the newest global model that has reached the device and never past
+    DGA's staleness bound (round t needs the global model of round t − D − 1); each round's update leaves as soon
+    as it is trained (with two messages in flight the agent always holds one to answer). A global model reaches
+    the device ``down_s`` after the round closes. Plain numbers: ``fl_server.simulation`` drives it."""
+
+    model: ClientModel
+    steps: int
+    delay: int
+    free_at: float = 0.0  # when the trainer finishes the round it has started
+    next_round: int = 1
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (when, global round), in sending order
+    cycles: int = 0  # messages so far (the first C pay slow start)
+
+    def global_sent(self, at: float, round_: int, size: int) -> None:
+        """The global model of ``round_`` left the server at ``at`` in a message of ``size`` bytes."""
+        self.arrivals.append((at + self.model.down_s(size, self.cycles), round_))
+
+    def start_s(self) -> float | None:
+        """When the next round starts: once the trainer is free and a global model it may start from (round
+        t − D − 1 or newer) has arrived; None while no such model has been sent."""
+        needed = self.next_round - self.delay - 1
+        arrived = [when for when, round_ in self.arrivals if round_ >= needed]
+        return max(self.free_at, min(arrived)) if arrived else None
+
+    def newest_by(self, at: float) -> int:
+        """The newest global round that has reached the device by ``at`` (−1: none)."""
+        return max((round_ for when, round_ in self.arrivals if when <= at), default=-1)
+
+    @property
+    def round_s(self) -> float:
+        return self.steps * self.model.step_s
+
+    def train(self, at: float, bytes_up: int) -> float:
+        """The next round starts at ``at``: when its update (``bytes_up``) reaches the server."""
+        done = at + self.round_s
+        arrival = done + self.model.up_s(bytes_up, self.cycles)
+        self.free_at, self.next_round, self.cycles = done, self.next_round + 1, self.cycles + 1
+        return arrival
 
 
 def device_step_s(device: DeviceProfile, host_step_s: float) -> float:
@@ -89,4 +158,17 @@ def device_step_s(device: DeviceProfile, host_step_s: float) -> float:
 
 def client_models(links: list[Link], devices: list[DeviceProfile], host_step_s: float) -> list[ClientModel]:
     """Partition j's model from link j and device j."""
-    return [ClientModel(link, device_step_s(device, host_step_s)) for link, device in zip(links, devices, strict=True)]
+    return [
+        ClientModel(link, device_step_s(device, host_step_s), device.cpu_fraction or 1.0)
+        for link, device in zip(links, devices, strict=True)
+    ]
+
+
+def estimate_regime(
+    link: Link, device: DeviceProfile, message_bytes: int, steps: int, host_step_s: float
+) -> tuple[float, float]:
+    """The clock's message path R and round training T for a client on ``link`` and ``device`` whose messages carry
+    ``message_bytes`` each way over warm connections and whose rounds are ``steps`` local steps."""
+    model = ClientModel(link, device_step_s(device, host_step_s), device.cpu_fraction or 1.0)
+    path = model.down_s(message_bytes, POOLED_CONNECTIONS) + model.up_s(message_bytes, POOLED_CONNECTIONS)
+    return path, steps * model.step_s

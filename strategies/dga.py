@@ -64,23 +64,6 @@ class DelayedAveragingClient:
         return sorted(self._pending)
 
 
-def reply_early(ready: int, left: int, delay: int, round_s: float, round_trip_s: float | None) -> bool:
-    """Whether a client should send its ``ready`` updates now, with ``left`` rounds still trainable before the
-    staleness bound (the round in progress counted), rather than once it reaches the bound.
-
-    One message at a time per client: a message brings the global model, the client trains and replies, the
-    next message comes a round trip R later. With N = D + 1 rounds per global model and T seconds per round,
-    replying at the bound gives N rounds per N·T + R. Replying with n = N − m ready and m left to train
-    during the trip gives n rounds per (n − m)·T + R while m·T ≤ R, which is better exactly when R < N·T, and
-    the full rate 1/T — the trip hidden — once m·T ≥ R. So: early only when R < N·T, at the first round
-    boundary where the rounds left cover the trip (m = ⌈R/T⌉; more would only shorten the message) and do
-    not outnumber the rounds ready (m ≤ n: a message leaving more than it carries makes the next one shorter
-    still). Before R has been measured: at the bound."""
-    if ready == 0 or round_trip_s is None or round_s <= 0 or round_trip_s >= (delay + 1) * round_s:
-        return False
-    return left <= min(math.ceil(round_trip_s / round_s), ready)
-
-
 def dga_sgd_step(
     params: np.ndarray,
     grad: np.ndarray,
@@ -93,3 +76,12 @@ def dga_sgd_step(
     if stale_own_grad is None or stale_avg_grad is None:
         return params - lr * grad
     return params - lr * (grad - stale_own_grad + stale_avg_grad)
+
+
+def regime_bounds(path_s: float, round_s: float, in_flight: int = 2) -> tuple[float, int]:
+    """What DGA can do where a message path takes R = ``path_s`` seconds and a round's training T = ``round_s``:
+    at most 1 + R/T times FedAvg's rounds per second (FedAvg's round is T + R, DGA's at best T), and the delay D
+    that hides R: ⌈R/T⌉ with two messages in flight per client (``strategies.rounds``), 2⌈R/T⌉ − 1 with one (a
+    client replies, then waits a whole path for the next message to answer)."""
+    rounds = math.ceil(path_s / round_s)
+    return 1 + path_s / round_s, rounds if in_flight >= 2 else 2 * rounds - 1

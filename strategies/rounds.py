@@ -5,13 +5,15 @@ closes rounds in order. It knows nothing of Flower: the glue in ``fl_server`` tu
 message and each reply into ``Update``s.
 
 Every message to a client carries the newest global model (when the client does not have it yet) and asks
-for the updates it has ready. A client may train round t once it holds the global model of round t − D − 1,
-so a message that brings the global model of round a lets it train up to round a + D + 1; its reply carries
-those rounds, or the first of them when the client answers early to train the rest during the round trip
-(``strategies.dga.reply_early``). One message per client is in flight (Flower's SuperNode takes one at a
-time): a second one queued behind it would reach the client before the reply it answers has been aggregated,
-bring nothing new and cost a message cycle for an empty reply. For the same reason a client is sent nothing
-until the global model moves on, unless it has not yet given the update the oldest open round waits for.
+for the updates it has ready; the client holds it until it has one (``edge.agent``). A client may train round t
+once it holds the global model of round t − D − 1, so a message that brings the global model of round a lets it
+train up to round a + D + 1. Up to ``window`` messages are kept in flight per client. With one (FedAvg, FedBuff,
+partial participation) a client is sent nothing until the global model moves on, unless it has not yet given the
+update the oldest open round waits for. With two (DGA, every client in every round) the client always holds a
+message to answer when its next round is trained, so each round's update leaves as soon as it is ready while the
+next rounds train, and a new global model is sent as soon as it exists, beyond the window. With a message path of
+R seconds and rounds of T seconds, hiding the path then needs D ≥ ⌈R/T⌉ (with one in flight, D + 1 ≥ 2⌈R/T⌉: a
+client replies, then waits a whole path for the next message to answer).
 
 With partial participation (a ``Sampler`` of M of the N partitions per round) a client is asked only for the
 rounds its partition is sampled in, and sent a message only when one of them is unlocked; ``strategies.sampling``
@@ -112,7 +114,7 @@ class ClosedRound:
 class _Client:
     delivered: int = -1  # newest global round sent to it (−1: nothing yet)
     received: int = 0  # newest round it contributed
-    in_flight: bool = False
+    in_flight: int = 0  # messages sent to it and not answered yet
     resend_global: bool = False  # a message to it failed: it may not hold the global model it was sent
     behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
     failures: int = 0  # replies in a row that were errors or had every update refused as invalid
@@ -133,6 +135,13 @@ class _OpenRound:
         return {*self.clients, *self.refused}
 
 
+def pipeline_window(delay: int, buffer: int, everyone: bool) -> int:
+    """Messages in flight per client: two for DGA when every client trains every round (a client always holds a
+    message to answer with its next round), one otherwise (FedAvg's lock-step, FedBuff's one update per step,
+    partial participation's clients that sit out rounds)."""
+    return 2 if delay > 0 and not buffer and everyone else 1
+
+
 class RoundEngine:
     def __init__(
         self,
@@ -151,7 +160,9 @@ class RoundEngine:
         sampler: Sampler | None = None,
         buffer: int = 0,
         server_lr: float = 1.0,
+        window: int = 1,
     ) -> None:
+        """``window``: messages kept in flight per client (``pipeline_window`` for the strategy)."""
         if not 0 < quorum <= 1:
             raise ValueError(f"quorum must be in (0, 1], got {quorum}")
         if buffer and (delay or aggregator):
@@ -166,6 +177,7 @@ class RoundEngine:
         self.min_clients = buffer or max(1, math.ceil(quorum * self.per_round))
         self.buffer = buffer
         self.server_lr = server_lr
+        self.window = window
         self.deadline_s = deadline_s
         self.aggregated = start_round
         self.aggregator = aggregator
@@ -210,7 +222,9 @@ class RoundEngine:
         new and ask for nothing a round waits for."""
         c = self._clients.setdefault(client, _Client())
         c.source = c.source if partition is None else partition
-        if self.done or c.in_flight:
+        new_global = self.aggregated > c.delivered or c.resend_global
+        beyond = new_global and self.window > 1  # a pipelined client is sent a new global model at once
+        if self.done or c.in_flight >= self.window + beyond:
             return None
         frontier = min(self.rounds, self.aggregated + self.delay + 1)
         if not self.sampler.everyone and c.received <= self.aggregated:
@@ -222,10 +236,9 @@ class RoundEngine:
         next_round = self.sampler.next_round(source, next_round, frontier)
         if next_round is None or (self.buffer and source in self._open_answered()):
             return None
-        new_global = self.aggregated > c.delivered or c.resend_global
-        if not new_global and (next_round > frontier or c.received > self.aggregated):
+        if not new_global and (next_round > frontier or (self.window == 1 and c.received > self.aggregated)):
             return None
-        c.in_flight = True
+        c.in_flight += 1
         if not new_global:
             return Request(next_round, frontier, None, None)
         held_round = -1 if c.resend_global else max(c.delivered, self._start_held)
@@ -233,11 +246,23 @@ class RoundEngine:
         c.resend_global = False
         return Request(next_round, frontier, self.aggregated, self.global_params, held_round)
 
+    def assign(self, client: int, round_: int, global_round: int | None, global_params: np.ndarray | None) -> Request:
+        """A message that asks ``client`` for exactly ``round_``, bringing the global model of ``global_round`` when
+        not None: how a simulated clock (``fl_server.simulation``) asks for what the deployment's agent would train
+        next, from the global model that has reached the device by then."""
+        c = self._clients.setdefault(client, _Client())
+        c.in_flight += 1
+        if global_round is None:
+            return Request(round_, round_, None, None)
+        held_round = -1 if c.resend_global else max(c.delivered, self._start_held)
+        c.delivered, c.resend_global = max(c.delivered, global_round), False
+        return Request(round_, round_, global_round, global_params, held_round)
+
     def receive(self, client: int, updates: list[Update], partition: int | None = None) -> list[Rejection]:
         """Take one reply's updates; returns what was refused and why. ``partition`` (the reply's partition id;
         the node id when None) is what an update is accepted once per round for, and what closed rounds list."""
         c = self._clients.setdefault(client, _Client())
-        c.in_flight = False
+        c.in_flight = max(0, c.in_flight - 1)
         source = client if partition is None else partition
         c.source = source
         rejections = []
@@ -253,7 +278,7 @@ class RoundEngine:
         ``raised``: the client itself failed (e.g. its training gave NaN), which counts toward ``stuck``; a
         message the network or the SuperLink lost does not."""
         c = self._clients.setdefault(client, _Client())
-        c.in_flight = False
+        c.in_flight = max(0, c.in_flight - 1)
         c.resend_global = True
         c.failures += raised
 

@@ -43,55 +43,54 @@ def test_the_job_is_parsed_once_per_run_and_refused_when_malformed() -> None:
             ClientJob.from_json(bad)
 
 
-def test_a_reply_carries_every_round_the_global_model_unlocks() -> None:
-    """DGA with D = 2: the message that brings the global model of round 0 is answered with rounds 1..3, all
-    of them (the staleness bound), not just the first one ready; a message that brings nothing new is
-    answered at once with nothing."""
+def test_each_held_message_is_answered_with_the_next_round_ready() -> None:
+    """DGA with D = 2 and two messages in flight: the message that brings the global model of round 0 and the
+    one beside it are each answered as soon as a round is ready (rounds trained meanwhile go together); a held
+    message waits while the session sits at the staleness bound, and once the run will train nothing more here
+    a message is answered at once with nothing."""
     job = RunConfig(
-        strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10, local_steps=2
+        strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=3, local_steps=2
     ).client_job()
     model = build_model(load_dataset("digits"), job.seed)
     params, layout = get_flat_params(model), param_layout(model)
     broadcast = BroadcastEncoder(parse_codec("none"), params, layout).broadcast(0, params)
     agent = EdgeAgent(transport="fast")
     try:
-        reply = agent.train(TrainInstruction(job.to_json(), 1, 3, broadcast), 0, 2)
-        assert [u.round for u in reply.updates] == [1, 2, 3]
-        assert all(u.num_examples > 0 and u.payload for u in reply.updates)
-        assert reply.transport == "fast" and reply.partition_id == 0
-        reply = agent.train(TrainInstruction(job.to_json(), 4, 3, None), 0, 2)
-        assert reply.updates == ()
+        first = agent.train(TrainInstruction(job.to_json(), 1, 3, broadcast), 0, 2)
+        assert first.updates and first.updates[0].round == 1
+        assert all(u.num_examples > 0 and u.payload for u in first.updates)
+        assert first.transport == "fast" and first.partition_id == 0 and first.held_s > 0
+        rounds = [u.round for u in first.updates]
+        while rounds[-1] < 3:
+            rounds += [u.round for u in agent.train(TrainInstruction(job.to_json(), 2, 3, None), 0, 2).updates]
+        assert rounds == [1, 2, 3]  # every round once, in order
+        assert agent.train(TrainInstruction(job.to_json(), 4, 3, None), 0, 2).updates == ()  # the run is over here
     finally:
         agent.stop()
 
 
-def test_the_agent_replies_early_when_the_rounds_left_fill_the_round_trip() -> None:
-    """D = 2 with 1 s rounds and a 1.5 s round trip measured: the agent answers with rounds 1 and 2 and trains
-    round 3 while the reply travels (then it is at the bound); with the trip longer than three rounds, or not
-    yet measured, it answers only at the bound."""
-    job = RunConfig(strategy="dga:2", dataset="digits", partition="iid", clients=2, rounds=10).client_job()
+def test_a_session_at_the_staleness_bound_holds_its_message() -> None:
+    """D = 1: rounds 1 and 2 need only the start model; round 3 needs the global model of round 1. Until it
+    comes, a message with nothing ready is held, not answered empty (which would cost a message cycle for
+    nothing); a ready round is due at once, and so is an empty answer once the run will train nothing more."""
+    job = RunConfig(strategy="dga:1", dataset="digits", partition="iid", clients=2, rounds=3).client_job()
     session = Session(job, 0, 2)
-    session.take_global(0, get_flat_params(session.model), now=0.0)
+    session.dga.receive_global(0, get_flat_params(session.model))
 
     def finish(round_: int) -> None:
         session.training = True
         session.next_round = round_
         session.finish_round(Update(round_, "none", b"", 1, train_s=1.0, loss=0.0), np.zeros(0, np.float32))
 
+    assert not session.reply_due() and session.can_train()
     finish(1)
-    session.round_trip_s = 1.5
-    assert not session.reply_due()  # 1 ready, 2 left
+    assert session.reply_due()
+    assert [u.round for u in session.take_outbox()] == [1]
     finish(2)
-    assert session.reply_due()  # 2 ready, 1 left (⌈1.5 s / 1 s⌉ = 2 would do)
-    assert [u.round for u in session.take_outbox(now=5.0)] == [1, 2]
-    assert not session.reply_due()  # round 3 is left to train
+    session.take_outbox()
+    assert not session.can_train() and not session.reply_due()  # at the bound: held
+    session.dga.receive_global(1, get_flat_params(session.model))
+    assert session.can_train()
     finish(3)
-    assert session.reply_due()  # at the bound: round 4 needs the global model of round 1
-    session.take_outbox(now=6.0)
-    session.take_global(3, get_flat_params(session.model), now=16.0)
-    assert session.round_trip_s == pytest.approx(0.5 * 1.5 + 0.5 * 10.0)  # measured: reply at 6 s, model at 16 s
-    finish(4)
-    finish(5)
-    assert not session.reply_due()  # 5.75 s ≥ 3 rounds: the trip cannot be hidden, so at the bound
-    session.round_trip_s = None
-    assert not session.reply_due()
+    session.take_outbox()
+    assert session.reply_due()  # round 3 was the last: nothing more will come

@@ -34,6 +34,9 @@ def _fails_cleanly(args: list[str], needle: str, run_dir: Path) -> None:
         (["--device-profile", "rpi9"], "rpi9"),
         (["--compress", "gzip"], "gzip"),
         (["--profile", "dial-up"], "dial-up"),
+        (["--model", "vgg"], "unknown model 'vgg'"),
+        (["--model", "leaf-lstm"], "model 'leaf-lstm' takes text data and digits is image data"),
+        (["--eval-every", "0"], "eval-every must be at least 1"),
     ],
 )
 def test_bad_settings(change: list[str], needle: str, run_dir: Path) -> None:

@@ -1,6 +1,6 @@
-"""Device profiles: a CPU cap slows a real torch training workload by the profile's factor, processes start
-inside the cap through its argv prefix, and no cgroup is left behind. The cgroup tests need root and a cgroup
-cpu controller (v1 or v2) and are skipped without them."""
+"""Device profiles: a device core slows a real torch training workload by the profile's factor, a device is its
+cores with the agent's training thread on one of its own, and no cgroup is left behind. The cgroup tests need
+root and a cgroup cpu controller (v1 or v2) and are skipped without them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from edge.devices import DEVICE_PROFILES, CpuCap, DeviceError, cpu_hierarchy, device_profile
+from edge.devices import (
+    DEVICE_PROFILES,
+    ROLES,
+    AgentThreads,
+    DeviceCaps,
+    DeviceError,
+    cpu_hierarchy,
+    device_profile,
+)
 
 TAG = f"test{os.getpid()}"
 NOBODY_UID = 65534
@@ -67,13 +75,36 @@ def no_cgroup_left() -> Iterator[None]:
     assert not _our_cgroups(), f"cgroups left behind: {_our_cgroups()}"
 
 
-def _cgroup_of(pid: int) -> str:
-    """The cpu-controller cgroup path of ``pid`` ("/" is the root), from /proc/PID/cgroup."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+def _cgroup_of(pid: int, tid: int | None = None) -> str:
+    """The cpu-controller cgroup path of ``pid`` (or of its thread ``tid``; "/" is the root)."""
+    task = f"/proc/{pid}" if tid is None else f"/proc/{pid}/task/{tid}"
+    for line in Path(f"{task}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "cpu" in controllers.split(",") or (controllers == "" and cpu_hierarchy()[0] == 2):
             return path
     raise AssertionError(f"no cpu cgroup line in /proc/{pid}/cgroup")
+
+
+def _quota(path: Path) -> float:
+    """A cgroup's CPU quota in cores."""
+    if (path / "cpu.max").exists():
+        quota, period = (path / "cpu.max").read_text().split()
+        return int(quota) / int(period)
+    return int((path / "cpu.cfs_quota_us").read_text()) / int((path / "cpu.cfs_period_us").read_text())
+
+
+# A process with a second thread, standing for the agent's trainer: prints its pid and the thread's id.
+THREADS = """
+import os, threading
+started = threading.Event()
+def train():
+    print(os.getpid(), threading.get_native_id(), flush=True)
+    started.set()
+    threading.Event().wait()
+threading.Thread(target=train, daemon=True).start()
+started.wait()
+threading.Event().wait()
+"""
 
 
 def _train(child: subprocess.Popen[str]) -> tuple[float, float]:
@@ -85,21 +116,21 @@ def _train(child: subprocess.Popen[str]) -> tuple[float, float]:
 
 @pytest.mark.root
 @needs_cgroups
-def test_cap_slows_training_by_the_profile_factor() -> None:
+def test_a_device_core_slows_training_by_the_profile_factor() -> None:
     profile = DEVICE_PROFILES["rpi4"]
     with subprocess.Popen(
         [sys.executable, "-c", WORKLOAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as child:
         assert child.stdout.readline().strip() == "ready"
         uncapped_cpu_s, _ = _train(child)
-        with CpuCap(profile, "train", tag=TAG) as cap:
-            cap.add(child.pid)
-            assert _cgroup_of(child.pid) == f"/{cap.cgroup_name}"
+        with DeviceCaps(profile, "train", tag=TAG) as caps:
+            caps.place("train", child.pid)
+            assert _cgroup_of(child.pid) == f"/{caps.cgroup_name}/train"
             capped_cpu_s, capped_wall_s = _train(child)
-        assert _cgroup_of(child.pid) == "/"  # moved back to the root before the cgroup was removed
+        assert _cgroup_of(child.pid) == "/"  # moved back to the root before the cgroups were removed
         child.stdin.close()
     assert child.returncode == 0
-    # The cap's share of one core, CPU time over wall time while capped: training runs 1/fraction slower ...
+    # The core's share of one host core, CPU time over wall time while capped: training runs 1/fraction slower ...
     assert capped_cpu_s / capped_wall_s == pytest.approx(profile.cpu_fraction, rel=TOLERANCE)
     # ... which is at least that slowdown against the same work uncapped. Only a lower bound: the same work
     # can cost more CPU time when throttled (cold caches after each quota period), seen up to 1.25x here.
@@ -108,21 +139,32 @@ def test_cap_slows_training_by_the_profile_factor() -> None:
 
 @pytest.mark.root
 @needs_cgroups
-def test_argv_prefix_starts_a_command_inside_the_cap() -> None:
-    with CpuCap(device_profile("rpi3"), "prefix", tag=TAG) as cap:
-        done = subprocess.run([*cap.argv_prefix(), "cat", "/proc/self/cgroup"], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        assert f"/{cap.cgroup_name}\n" in done.stdout
-        assert cap.path is not None and cap.path.is_dir()
+def test_a_device_is_its_cores_and_the_training_thread_has_one_of_its_own() -> None:
+    """rpi4: the device holds 4 cores of 0.144 and takes precedence over host processes; the agent's process goes
+    on the agent core and its training thread alone on the train core (``AgentThreads``)."""
+    profile = device_profile("rpi4")
+    with subprocess.Popen([sys.executable, "-c", THREADS], stdout=subprocess.PIPE, text=True) as child:
+        pid, trainer = map(int, child.stdout.readline().split())
+        with DeviceCaps(profile, "threads", tag=TAG) as caps:
+            AgentThreads(pid, trainer).place(caps)
+            assert caps.path is not None
+            assert _cgroup_of(pid, trainer) == f"/{caps.cgroup_name}/train"
+            others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != trainer]
+            assert others and all(_cgroup_of(pid, t) == f"/{caps.cgroup_name}/agent" for t in others)
+            quotas = {role: _quota(caps.path / role) for role in ROLES}
+            assert quotas == dict.fromkeys(ROLES, pytest.approx(profile.cpu_fraction, abs=1e-5))
+            assert _quota(caps.path) == pytest.approx(profile.cores * profile.cpu_fraction, abs=1e-5)
+            assert int((caps.path / "cpu.shares").read_text()) > 1024  # above a host process's weight
+        child.kill()
 
 
 @pytest.mark.root
 @needs_cgroups
-def test_leaving_the_cap_moves_survivors_out_and_removes_it() -> None:
+def test_leaving_the_caps_moves_survivors_out_and_removes_them() -> None:
     with subprocess.Popen(["cat"], stdin=subprocess.PIPE) as survivor:  # lives until its stdin closes
-        with CpuCap(device_profile("rpi5"), "survivor", tag=TAG) as cap:
-            cap.add(survivor.pid)
-            path = cap.path
+        with DeviceCaps(device_profile("rpi5"), "survivor", tag=TAG) as caps:
+            caps.place("supernode", survivor.pid)
+            path = caps.path
         assert path is not None and not path.exists()
         assert _cgroup_of(survivor.pid) == "/"
         assert survivor.poll() is None
@@ -131,10 +173,10 @@ def test_leaving_the_cap_moves_survivors_out_and_removes_it() -> None:
 
 @pytest.mark.root
 @needs_cgroups
-def test_without_root_a_cap_is_one_clear_line() -> None:
+def test_without_root_a_device_is_one_clear_line() -> None:
     os.seteuid(NOBODY_UID)
     try:
-        with pytest.raises(DeviceError) as error, CpuCap(device_profile("rpi4"), "noroot", tag=TAG):
+        with pytest.raises(DeviceError) as error, DeviceCaps(device_profile("rpi4"), "noroot", tag=TAG):
             pass
     finally:
         os.seteuid(0)
@@ -142,12 +184,38 @@ def test_without_root_a_cap_is_one_clear_line() -> None:
     assert "\n" not in message and "need root and a writable cgroup cpu controller" in message
 
 
-def test_laptop_profile_is_no_cap() -> None:
-    with CpuCap(device_profile("laptop"), "laptop", tag=TAG) as cap:
-        cap.add(os.getpid())
-        assert cap.path is None and cap.argv_prefix() == []
+def test_laptop_profile_is_no_cap(tmp_path: Path) -> None:
+    with DeviceCaps(device_profile("laptop"), "laptop", tag=TAG) as caps:
+        caps.place("agent", os.getpid())
+        caps.place_thread("train", os.getpid())
+        assert caps.path is None
+    AgentThreads(123, 456).save(tmp_path / "ready")
+    assert AgentThreads.load(tmp_path / "ready") == AgentThreads(123, 456)
 
 
 def test_unknown_profile_is_one_clear_line() -> None:
     with pytest.raises(DeviceError, match=r"^unknown device profile 'rpi9': known profiles are rpi3, rpi4, rpi5"):
         device_profile("rpi9")
+
+
+def test_a_machine_that_cannot_cap_a_cpu_runs_uncapped_and_says_so_once(monkeypatch) -> None:
+    """The main job asks for Raspberry Pi 4s; where no writable cgroup cpu controller exists the launcher says so
+    in one line, runs uncapped, and the run's config (and summary) records why."""
+    import contextlib
+
+    from contract.settings import build_config
+    from edgefl import launcher
+
+    def no_controller() -> tuple[int, Path]:
+        raise DeviceError("no cgroup cpu controller is mounted")
+
+    monkeypatch.setattr("edge.devices.cpu_hierarchy", no_controller)
+    said: list[str] = []
+    with contextlib.ExitStack() as stack:
+        caps, backend = launcher.device_caps(build_config(clients=2, device_profile="rpi4"), stack, said.append)
+    assert backend == "uncapped: no cgroup cpu controller is mounted"
+    assert len(said) == 1 and "running uncapped" in said[0]
+    assert all(cap.path is None for cap in caps) and len(caps) == 2
+    with contextlib.ExitStack() as stack:
+        _, backend = launcher.device_caps(build_config(clients=2), stack, said.append)
+    assert backend == "none" and len(said) == 1  # laptops: nothing to cap, nothing said

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from strategies.codecs import make_client_codec, parse_codec
-from strategies.dga import DelayedAveragingClient, dga_sgd_step, reply_early
+from strategies.dga import DelayedAveragingClient, dga_sgd_step, regime_bounds
 from strategies.rounds import RoundEngine, Update
 
 LAYOUT = (("w", (3,)),)
@@ -78,15 +78,12 @@ def _run_engine(delay: int, correction: bool, rounds: int, targets: list[np.ndar
     return engine.global_params
 
 
-def test_reply_early_only_when_the_rounds_left_can_hide_the_round_trip() -> None:
-    """D = 4 (5 rounds per global model), 1 s per round."""
-    assert not reply_early(ready=3, left=2, delay=4, round_s=1.0, round_trip_s=None)  # not measured: at the bound
-    assert not reply_early(ready=4, left=1, delay=4, round_s=1.0, round_trip_s=5.0)  # R ≥ N·T: a full window
-    assert not reply_early(ready=0, left=2, delay=4, round_s=1.0, round_trip_s=1.5)  # nothing to send
-    assert not reply_early(ready=2, left=3, delay=4, round_s=1.0, round_trip_s=1.5)  # 3 left > ⌈1.5⌉ = 2
-    assert reply_early(ready=3, left=2, delay=4, round_s=1.0, round_trip_s=1.5)  # 2 rounds cover the 1.5 s trip
-    assert not reply_early(ready=1, left=2, delay=4, round_s=1.0, round_trip_s=3.5)  # would leave more than it sends
-    assert reply_early(ready=2, left=2, delay=4, round_s=1.0, round_trip_s=3.5)
+def test_regime_bounds_say_what_dga_can_gain_and_the_delay_that_hides_the_path() -> None:
+    """FedAvg's round is T + R, DGA's at best T: at most 1 + R/T. Two messages in flight hide R with
+    D ≥ ⌈R/T⌉ (R = 2.5 s behind 1 s rounds: 3); one in flight needs 2⌈R/T⌉ − 1 (5)."""
+    assert regime_bounds(2.5, 1.0) == (3.5, 3)
+    assert regime_bounds(2.5, 1.0, in_flight=1) == (3.5, 5)
+    assert regime_bounds(0.5, 2.0) == (1.25, 1)  # a path shorter than a round: one round of delay hides it
 
 
 def test_dga_with_zero_delay_is_exactly_fedavg() -> None:

@@ -31,11 +31,9 @@ from contract.run_folder import (
 )
 from contract.settings import RunConfig, build_config, save_config
 from edgefl.launcher import (
-    LocalFederation,
     NodeRuntime,
-    _flower_env,
     follow,
-    placement_for,
+    local_federation,
     prepare_run_dir,
     supernode_argv,
 )
@@ -252,15 +250,11 @@ def federation(
     links down and to kill and restart clients; ``before_submit`` gets the SuperLink's address to start more);
     ``follow`` then waits for the end."""
     run_dir = prepare_run_dir(config)
-    with placement_for(config) as place:
-        config = dataclasses.replace(config, link_backend=place.backend)
-        save_config(config, run_dir / "config.toml")
-        with contextlib.ExitStack() as caps, ProcessGroup(run_dir / "logs", _flower_env(run_dir)) as procs:
-            local = LocalFederation(config, run_dir, place, procs, caps)
-            address = local.start()
-            before_submit(address, procs)
-            local.submit(address)
-            yield place.testbed, procs, run_dir
+    with local_federation(config, run_dir, lambda line: None) as local:
+        save_config(local.config, run_dir / "config.toml")
+        before_submit(local.address, local.procs)
+        local.submit(local.config, run_dir)
+        yield local.place.testbed, local.procs, run_dir
 
 
 def _finish(config: RunConfig, procs: ProcessGroup, run_dir: Path) -> list[dict]:
@@ -310,9 +304,9 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
         wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
         named = dict(procs.procs)
         killed = {"agent": named["agent-3"], "supernode": named["supernode-2"]}
-        held = Path(killed["agent"].args[killed["agent"].args.index("--held-task-file") + 1])
+        held = Path(killed["agent"].args[killed["agent"].args.index("--held-tasks") + 1])
         deadline = time.monotonic() + 60
-        while not held.exists():  # written once the task's message is pulled; it trains for about a second
+        while not any(held.glob("*.task")):  # written once a task's message is pulled; it trains for about a second
             assert time.monotonic() < deadline, "agent 3 never held a task"
             time.sleep(0.01)
         for proc in killed.values():

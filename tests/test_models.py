@@ -10,8 +10,10 @@ import onnxruntime
 import pytest
 import torch
 
+from ml.catalog import MODELS
 from ml.data import CHAR_VOCAB, SEQ_LEN, Dataset, load_dataset
 from ml.models import ModelError, build_model, get_flat_params, param_layout, set_flat_params
+from ml.onnx import OnnxClassifier, export_onnx
 
 
 def image_set(side: int, num_classes: int = 10, channels: int = 1) -> Dataset:
@@ -128,3 +130,39 @@ def test_models_export_to_onnx(dataset: Dataset, tmp_path: Path) -> None:
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (exported,) = session.run(None, {"x": dataset.x_test[:4]})
     np.testing.assert_allclose(exported, logits(model, dataset.x_test[:4]).numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "low", "high"),
+    [("resnet8", lambda: image_set(28), 70_000, 85_000), ("leaf-lstm", text_set, 800_000, 840_000)],
+)
+def test_the_papers_models_train_and_export(model: str, data, low: int, high: int, tmp_path: Path) -> None:
+    """ResNet-8 (GroupNorm, no buffers) for images and LEAF's Shakespeare LSTM (embedding 8, 2 x LSTM 256): their
+    size, a training step that lowers the loss on a fixed batch, and an ONNX export that answers as torch does."""
+    dataset = data()
+    net = build_model(dataset, seed=0, model=model)
+    assert low <= sum(p.numel() for p in net.parameters()) <= high and list(net.buffers()) == []
+    assert logits(net, dataset.x_train[:5]).shape == (5, dataset.num_classes)
+    x, y = torch.from_numpy(dataset.x_train[:6]), torch.from_numpy(dataset.y_train[:6])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net.train()(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    path = export_onnx(net.eval(), dataset, tmp_path / f"{model}.onnx")
+    np.testing.assert_allclose(
+        OnnxClassifier(path, threads=1).predict_logits(dataset.x_test[:4]),
+        logits(net, dataset.x_test[:4]).numpy(), rtol=1e-4, atol=1e-4,
+    )  # fmt: skip
+
+
+def test_a_model_that_does_not_fit_the_data_is_one_line() -> None:
+    with pytest.raises(ModelError, match=r"^model 'leaf-lstm' takes text data and images-28 is image data"):
+        build_model(image_set(28), seed=0, model="leaf-lstm")
+    with pytest.raises(ModelError, match=r"^unknown model 'vgg': known models are auto, cnn, resnet8"):
+        build_model(text_set(), seed=0, model="vgg")
+    assert MODELS.keys() == {"cnn", "resnet8", "char-lstm", "leaf-lstm"}

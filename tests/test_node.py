@@ -70,16 +70,17 @@ def test_a_reply_under_a_task_token_nobody_claimed_is_refused(node: NodeRuntime,
         run_id=1, message_id="a" * 64, src_node_id=1, dst_node_id=2, reply_to_message_id="", group_id="1",
         created_at=time.time(), ttl=3600, message_type="train",
     )  # fmt: skip
-    HeldTask(7, "f" * 64, Message(RecordDict(), metadata=metadata)).save(node.held_file)
-    assert HeldTask.load(node.held_file).message.metadata.message_id == "a" * 64
-    assert node.held_file.stat().st_mode & 0o077 == 0  # the token answers the task: this user's only
-    server = TaskServer(f"127.0.0.1:{node.port}", app, node.secret_file.read_bytes(), node.held_file)
+    HeldTask(7, "f" * 64, Message(RecordDict(), metadata=metadata)).save(node.held_dir)
+    record = HeldTask.path(node.held_dir, 7)
+    assert HeldTask.load(record).message.metadata.message_id == "a" * 64
+    assert record.stat().st_mode & 0o077 == 0  # the token answers the task: this user's only
+    server = TaskServer(f"127.0.0.1:{node.port}", app, node.secret_file.read_bytes(), node.held_dir)
     server.answer_abandoned()
-    assert not node.held_file.exists()
+    assert not record.exists()
     assert "the SuperNode no longer holds task 7" in caplog.text
-    node.held_file.write_text('{"task_id": 7, "token": "f')  # not ours: the agent starts all the same
+    record.write_text('{"task_id": 7, "token": "f')  # not ours: the agent starts all the same
     server.answer_abandoned()
-    assert not node.held_file.exists()
+    assert not record.exists()
     assert "does not hold a task (JSONDecodeError" in caplog.text
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from contract.run_folder import ROUNDS, SUMMARY, RunFolder, summarize, summary_bytes
 from contract.settings import build_config
-from edgefl.report import report
+from edgefl.report import regime_line, report
 
 
 def _run(path: Path, accuracies: list[float], bytes_per_round: int, **settings) -> Path:
@@ -22,7 +22,7 @@ def _run(path: Path, accuracies: list[float], bytes_per_round: int, **settings) 
                "clients": [0, 1], "rejected": []}  # fmt: skip
         folder.append(ROUNDS, row)
         rows.append(row)
-    folder.write(SUMMARY, summary_bytes(summarize(config.as_dict(), rows)))
+    folder.write(SUMMARY, summary_bytes(summarize(config.as_dict(), rows, [])))
     return path
 
 
@@ -39,3 +39,26 @@ def test_bytes_and_time_to_target_count_through_the_first_round_at_the_target(tm
     assert "| — | — | — |" in never_row
     assert sorted(p.name for p in plots) == ["accuracy_vs_bytes.png", "accuracy_vs_rounds.png", "accuracy_vs_time.png"]
     assert all(p.stat().st_size > 1000 for p in plots)
+
+
+def test_a_run_records_its_message_path_and_round_training_and_says_what_dga_can_gain(tmp_path: Path) -> None:
+    """R is the median path of the messages that carried training (the identify message carries none), T the
+    median training per round they carried; a round not evaluated (``--eval-every``) has no accuracy and the
+    summary and plots skip it."""
+    config = build_config(rounds=3, eval_every=2)
+    assert [config.evaluates(r) for r in (1, 2, 3)] == [False, True, True]  # every 2nd, and the last
+    rows = [{"round": r, "wall_s": 5.0 * r, "test_accuracy": None if r == 1 else 0.5 + 0.1 * r, "test_loss": 1.0,
+             "bytes_up": 1, "bytes_down": 1, "clients": [0], "rejected": []} for r in (1, 2, 3)]  # fmt: skip
+    trips = [
+        {"path_s": 0.4, "train_s": 0.0, "rounds": []},
+        {"path_s": 6.0, "train_s": 4.0, "rounds": [1]},
+        {"path_s": 8.0, "train_s": 8.0, "rounds": [2, 3]},
+        {"path_s": 10.0, "train_s": 6.0, "rounds": [4, 5, 6]},
+    ]
+    summary = summarize(config.as_dict(), rows, trips)
+    assert (summary["message_path_s"], summary["round_train_s"]) == (8.0, 4.0)
+    assert (summary["final_accuracy"], summary["best_accuracy"]) == (0.8, 0.8)
+    line = regime_line({**summary, "link_profile": "long-distance"})
+    assert "R = 8.00 s" in line and "T = 4.00 s" in line and "R/T = 2.00" in line
+    assert "at most 3.00x" in line and "D >= 2" in line
+    assert "not measured" in regime_line({**summarize(config.as_dict(), rows, trips[:1]), "link_profile": "lan"})

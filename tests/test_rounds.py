@@ -3,7 +3,7 @@
 import numpy as np
 
 from strategies.codecs import make_client_codec, parse_codec
-from strategies.rounds import RoundEngine, Update
+from strategies.rounds import RoundEngine, Update, pipeline_window
 
 LAYOUT = (("w", (4,)),)
 
@@ -138,3 +138,25 @@ def test_rounds_closed_together_keep_their_own_global_model() -> None:
     first, second = engine.close_rounds(now=0)
     np.testing.assert_allclose(first.global_params, [1, 1, 1, 1])
     np.testing.assert_allclose(second.global_params, [3, 3, 3, 3])
+
+
+def test_a_pipelined_client_holds_two_messages_and_gets_a_new_global_model_at_once() -> None:
+    """DGA with window 2 (``pipeline_window``): a client is sent a second message beside the first, so it has one
+    to answer as soon as its next round is trained; after each reply it is sent another while it may still train
+    a round; a new global model goes out as soon as the round closes, beyond the window."""
+    assert pipeline_window(delay=2, buffer=0, everyone=True) == 2
+    assert pipeline_window(delay=0, buffer=0, everyone=True) == 1  # FedAvg's lock-step
+    assert pipeline_window(delay=2, buffer=0, everyone=False) == 1  # partial participation
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=1, delay=2, window=2)
+    first, second = engine.next_request(7), engine.next_request(7)
+    assert first is not None and first.global_round == 0 and second is not None and second.global_round is None
+    assert engine.next_request(7) is None  # two in flight
+    engine.receive(7, [_update([1, 1, 1, 1], 1)])
+    assert [c.round for c in engine.close_rounds(now=0)] == [1]
+    model, spare = engine.next_request(7), engine.next_request(7)
+    assert model is not None and model.global_round == 1  # beyond the window: the client now holds three
+    assert spare is None
+    engine.receive(7, [_update([1, 1, 1, 1], r) for r in (2, 3)])
+    engine.receive(7, [_update([1, 1, 1, 1], 4)])  # round 4 needs round 1's model, which it holds
+    engine.close_rounds(now=0)
+    assert engine.next_request(7).global_round == 4

@@ -23,6 +23,7 @@ from netem.clock import (
     MESSAGE_RTTS,
     POOLED_CONNECTIONS,
     ClientModel,
+    ClientTimeline,
     client_models,
     device_step_s,
     rate_bps,
@@ -165,3 +166,26 @@ def test_simulation_bad_input_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="needs Ray"):
         cli.preflight(build_config(dataset="digits", partition="iid", federation="simulation"))
+
+
+def test_a_pipelined_client_trains_round_after_round_and_waits_only_at_the_staleness_bound() -> None:
+    """The deployment's agent as the clock times it, one client on a lan (its way down and up 0.24 s each: half the
+    fixed cost) with rounds of 1 s: D = 2 hides the path — a round every second — while D = 0 (FedAvg) waits the
+    whole path for each global model."""
+    model = ClientModel(BUILTIN_LINKS["lan"], step_s=0.1)
+    down, up = model.down_s(0, 9), model.up_s(0, 9)
+    for delay, expected_starts in [(2, [0.0, 1.0, 2.0, 3.0]), (0, None)]:
+        timeline = ClientTimeline(model, steps=10, delay=delay)
+        timeline.cycles = 9  # warm connections: no slow start
+        timeline.arrivals.append((0.0, 0))
+        starts = []
+        for closed in range(1, 5):
+            start = timeline.start_s()
+            starts.append(start)
+            arrival = timeline.train(start, 0)  # one client: its update closes the round on arrival
+            timeline.global_sent(arrival, closed, 0)
+        if expected_starts:
+            assert starts == pytest.approx(expected_starts)  # hidden: up + down (< 1 s) ≤ D rounds
+        else:
+            assert starts == pytest.approx([i * (1.0 + up + down) for i in range(4)])  # lock-step
+    assert timeline.newest_by(0.0) == 0 and timeline.newest_by(math.inf) == 4

@@ -1,4 +1,4 @@
-"""A client that stops answering mid-run (its edge agent frozen with SIGSTOP between tasks) holds each round only
+"""A client that stops answering mid-run (its edge agent frozen with SIGSTOP, not while sending) holds each round only
 until the round's deadline: the run finishes with the others, and the rounds say so. Frozen mid-upload, its reply
 is listed and the pull that took it waits up to 60 s for the rest: beside the server's loop
 (``fl_server.engine.ReplyPuller``, tested here with a grid that stalls as the SuperLink would)."""
@@ -33,6 +33,13 @@ def _reply_to(message_id: str, error: Error | None = None) -> Message:
 
 
 UNAVAILABLE = Error(ErrorCode.MESSAGE_UNAVAILABLE, "Message Unavailable")
+
+
+def _sending(agent_log: Path) -> bool:
+    """Whether the agent is between answering a message (its ``reply:`` line) and having pushed the reply to its
+    SuperNode (its ``served task`` line): the SuperNode lists a reply before its objects are all there."""
+    text = agent_log.read_text()
+    return text.count("edgefl.agent INFO reply:") > text.count("served task ")
 
 
 class StalledUploadGrid:
@@ -100,11 +107,11 @@ def test_a_silent_client_does_not_stall_the_run(run_dir: Path) -> None:
     )  # fmt: skip
     wait_for_first_round(proc, run_dir)
     agent = next(line for line in processes_of(run_dir) if "fl_client.node" in line and ".node-2.ready" in line)
-    pid, held, deadline = int(agent.split()[0]), run_dir / ".node-2.task", time.monotonic() + 60
+    pid, log, deadline = int(agent.split()[0]), run_dir / "logs" / "agent-2.log", time.monotonic() + 60
     os.kill(pid, signal.SIGSTOP)
-    while held.exists():  # frozen serving a task: let it finish, so that it freezes between tasks
+    while _sending(log):  # frozen while it hands a reply to its SuperNode: let it finish, so that no upload stalls
         os.kill(pid, signal.SIGCONT)
-        assert time.monotonic() < deadline, "agent 2 was always serving a task"
+        assert time.monotonic() < deadline, "agent 2 was always sending a reply"
         time.sleep(0.005)
         os.kill(pid, signal.SIGSTOP)
     _, err = proc.communicate(timeout=300)

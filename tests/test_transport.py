@@ -82,3 +82,43 @@ def test_an_idle_supernode_backs_off_and_a_message_resets_its_poll(monkeypatch) 
     clock.sleep(transport.STOCK_REPLY_S)
     clock.sleep(0.2)  # any other sleep of Flower's is left as it is
     assert slept[-2:] == [transport.REPLY_POLL_S, 0.2]
+
+
+def test_the_pipelined_supernode_pulls_and_pushes_independently(monkeypatch) -> None:
+    """Flower's loop pulls one message, then waits for its reply. Tuned, a pull that finds nothing still lets the
+    loop go on to the push; the push sends the replies there are (handing Flower's ``_push_messages`` the list it
+    took, so it never waits) and otherwise waits at most the idle poll — none right after a message came."""
+    import contract.transport as transport
+
+    slept: list[float] = []
+    monkeypatch.setattr(transport.time, "sleep", slept.append)
+    pulled: list[int | None] = [None, 5]
+    pushed: list[list[str]] = []
+
+    class State:
+        def __init__(self) -> None:
+            self.replies: list[str] = []
+
+        def get_messages_legacy(self, *, is_reply: bool) -> list[str]:
+            assert is_reply
+            taken, self.replies = self.replies, []
+            return taken
+
+    def push(*, state, object_store, send, push_object) -> None:  # Flower's _push_messages, which waits for one
+        pushed.append(list(state.get_messages_legacy(is_reply=True)))
+
+    idle = transport._IdleBackoff()
+    pipeline = transport._Pipeline(lambda **_: pulled.pop(0), push, idle)
+    state = State()
+    kwargs = {"state": state, "object_store": None, "send": None, "push_object": None}
+    assert pipeline.pull() == transport.NO_RUN  # nothing pulled: the loop goes on to push
+    pipeline.push(**kwargs)  # no reply: it looked for one every REPLY_POLL_S up to the idle poll, then backs off
+    assert pushed == [] and slept and set(slept) == {transport.REPLY_POLL_S}
+    assert idle.delay > IDLE_POLL_S[0]
+    assert pipeline.pull() == 5  # a message: no idle wait before pushing what there is
+    slept.clear()
+    pipeline.push(**kwargs)
+    assert pushed == [] and slept == []
+    state.replies = ["reply-1", "reply-2"]
+    pipeline.push(**kwargs)
+    assert pushed == [["reply-1", "reply-2"]] and idle.delay == IDLE_POLL_S[0]

@@ -34,14 +34,14 @@ def test_instruction_round_trip_carries_the_broadcast() -> None:
 
 def _reply() -> TrainReply:
     updates = (Update(1, "edgefl.none.v1", b"abc", 10, 0.5, 1.0), Update(2, "edgefl.topk.v1", b"de", 10, 0.4, math.nan))
-    return TrainReply(0, updates, {"peak_rss_mb": 100.0}, "fast")
+    return TrainReply(0, updates, {"peak_rss_mb": 100.0}, "fast", held_s=1.25)
 
 
 def test_reply_round_trip_gives_back_the_same_update_records() -> None:
     parsed = parse_reply(reply_content(_reply()))
     assert parsed.updates[0] == _reply().updates[0]  # one record, agent to server
     assert parsed.updates[1].payload == b"de" and math.isnan(parsed.updates[1].loss)
-    assert (parsed.health, parsed.transport) == ({"peak_rss_mb": 100.0}, "fast")
+    assert (parsed.health, parsed.transport, parsed.held_s) == ({"peak_rss_mb": 100.0}, "fast", 1.25)
 
 
 def test_a_message_is_three_flower_objects_however_large(flower_task: None) -> None:
@@ -70,6 +70,8 @@ def _tampered(content: RecordDict, **header: object) -> RecordDict:
         {"updates": [{"round": 1}]},
         {"health": []},
         {"partition-id": "zero"},
+        {"held-s": -1.0},  # how long the agent held the message: a duration
+        {"held-s": None},
     ],
 )
 def test_inconsistent_replies_are_refused(change: dict) -> None:

@@ -1,0 +1,198 @@
+"""When does DGA pay? Its speedup to a converged target and its accuracy gap against FedAvg over a grid of regimes
+— links x devices x models, hence of R/T (R the message path, T a round's training) — and of DGA's delay D, on
+Flower's Simulation Engine with the virtual clock timing the deployment's pipeline (``fl_server.simulation``:
+each round starts once the agent's trainer is free and a global model it may start from has reached the device,
+each update leaves as soon as it is trained). Then the grid's testbed spot checks: grid points that real
+deployments on the namespaced testbed ran with the same settings (the main job's ``edgefl compare`` runs and
+``bench/dga_vs_fedavg.py``'s), seconds per round side by side (aim: within 20 %).
+
+The target of every grid point is its FedAvg's final accuracy (mean of its last 3 evaluations) less 1 point, a run
+counted as there when the mean of 3 consecutive evaluations reaches it (as in ``bench/dga_vs_fedavg.py``).
+
+    python bench/dga_regimes.py [--models cnn,leaf-lstm] [--delays 2,4] [--report-only]
+        [--spot-checks runs/compare,runs/bench-dga-vs-fedavg]
+
+Writes OUT/result.md, OUT/result.json, OUT/regimes.png (the heat map: speedup to target by R/T and D) and one
+simulated run folder per grid point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from dga_vs_fedavg import tail_mean, time_to_target
+from results import write_result
+
+from contract.settings import build_config
+from edgefl.launcher import run
+from edgefl.processes import interrupt_on_signals
+from edgefl.report import load_run
+from fl_server.simulation import host_step_s
+from strategies.dga import regime_bounds
+
+AIM = 0.20  # |simulated / testbed − 1| of seconds per round
+SETTINGS = {  # each model on its own task, as the main job and bench/dga_vs_fedavg.py run them
+    "cnn": {"dataset": "fashion-mnist", "partition": "dirichlet:0.3", "model": "cnn", "rounds": 20, "local_steps": 20,
+            "lr_schedule": "cosine", "eval_examples": 2000},
+    "leaf-lstm": {"dataset": "shakespeare", "partition": "natural", "model": "leaf-lstm", "rounds": 60,
+                  "local_steps": 5, "batch_size": 10, "lr": 0.6, "lr_schedule": "cosine", "eval_examples": 1000,
+                  "eval_every": 3},
+}  # fmt: skip
+GRID = {  # links x devices per model: R/T from well below 1 to several
+    "cnn": (("lan", "home-wifi", "long-distance", "satellite"), ("laptop", "rpi4")),
+    "leaf-lstm": (("lan", "long-distance", "satellite"), ("rpi4",)),
+}
+SPOTS = {  # testbed run folders with a grid point's settings: (model, link, device, strategy) → folder under a root
+    ("cnn", "home-wifi", "rpi4", "fedavg"): "compare/home-wifi/fedavg",
+    ("cnn", "home-wifi", "rpi4", "dga:2"): "compare/home-wifi/dga-2",
+    ("cnn", "long-distance", "rpi4", "fedavg"): "compare/long-distance/fedavg",
+    ("cnn", "long-distance", "rpi4", "dga:2"): "compare/long-distance/dga-2",
+    ("leaf-lstm", "long-distance", "rpi4", "fedavg"): "bench-dga-vs-fedavg/long-distance/fedavg",
+    ("leaf-lstm", "long-distance", "rpi4", "dga:4"): "bench-dga-vs-fedavg/long-distance/dga-4",
+    ("leaf-lstm", "lan", "rpi4", "dga:4"): "bench-dga-vs-fedavg/lan/dga-4",
+}
+
+
+def point_dir(out: Path, model: str, link: str, device: str, strategy: str) -> Path:
+    return out / model / f"{link}+{device}" / strategy.replace(":", "-")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="cnn,leaf-lstm")
+    parser.add_argument("--delays", default="2,4", help="DGA's D at every grid point (FedAvg is D = 0)")
+    parser.add_argument("--runs", type=Path, default=Path("runs"), help="where the spot checks' testbed runs are")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-dga-regimes"))
+    parser.add_argument("--report-only", action="store_true", help="no runs: the result from the run folders")
+    args = parser.parse_args()
+    interrupt_on_signals()
+    strategies = ["fedavg", *(f"dga:{d}" for d in args.delays.split(","))]
+    points: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        links, devices = GRID[model]
+        unit = None if args.report_only else host_step_s(build_config(None, **SETTINGS[model]))
+        for link in links:
+            for device in devices:
+                runs = {}
+                for strategy in strategies:
+                    folder = point_dir(args.out, model, link, device, strategy)
+                    if not args.report_only:
+                        print(f"== {model}, {link}, {device}: {strategy}", flush=True)
+                        config = build_config(
+                            None, **SETTINGS[model], strategy=strategy, profile=link, device_profile=device,
+                            federation="simulation", clock_step_s=unit, out=str(folder),
+                        )  # fmt: skip
+                        run(config, lambda line: None)
+                    runs[strategy] = load_run(folder)
+                points += grid_points(model, link, device, runs)
+    spots = spot_checks(args.runs, args.out)
+    text, figures = report(points, spots, args.out)
+    write_result(args.out, text, figures)
+    return 0
+
+
+def grid_points(model: str, link: str, device: str, runs: dict[str, tuple[dict, list]]) -> list[dict[str, Any]]:
+    """One row per DGA run of a (model, link, device): R and T (FedAvg's, the regime), the speedups and the gap."""
+    fed, fed_rows = runs["fedavg"]
+    target = tail_mean(fed_rows) - 0.01
+    fed_t = time_to_target(fed_rows, target)
+    path_s, round_s = fed["message_path_s"], fed["round_train_s"]
+    rows = []
+    for strategy, (summary, rows_) in runs.items():
+        if strategy == "fedavg":
+            continue
+        dga_t = time_to_target(rows_, target)
+        rows.append({
+            "model": model, "link": link, "device": device, "strategy": strategy,
+            "delay": int(strategy.split(":")[1]), "path_s": path_s, "round_s": round_s, "r_over_t": path_s / round_s,
+            "bound": regime_bounds(path_s, round_s)[0], "delay_to_hide": regime_bounds(path_s, round_s)[1],
+            "per_round_speedup": fed["seconds_per_round"] / summary["seconds_per_round"],
+            "to_target_speedup": fed_t / dga_t if fed_t and dga_t else None,
+            "accuracy_gap_points": 100 * (tail_mean(rows_) - tail_mean(fed_rows)),
+        })  # fmt: skip
+    return rows
+
+
+def spot_checks(runs_root: Path, out: Path) -> list[dict[str, Any]]:
+    """Seconds per round on the testbed against the simulated grid point with the same settings."""
+    found = []
+    for (model, link, device, strategy), folder in SPOTS.items():
+        real_dir, sim_dir = runs_root / folder, point_dir(out, model, link, device, strategy)
+        if not (real_dir / "summary.json").exists() or not (sim_dir / "summary.json").exists():
+            continue
+        real, sim = load_run(real_dir)[0], load_run(sim_dir)[0]
+        found.append({
+            "model": model, "link": link, "device": device, "strategy": strategy,
+            "testbed_s_per_round": real["seconds_per_round"], "simulated_s_per_round": sim["seconds_per_round"],
+            "error": sim["seconds_per_round"] / real["seconds_per_round"] - 1,
+            "testbed_r_s": real["message_path_s"], "simulated_r_s": sim["message_path_s"],
+            "testbed_t_s": real["round_train_s"], "simulated_t_s": sim["round_train_s"],
+        })  # fmt: skip
+    return found
+
+
+def report(points: list[dict[str, Any]], spots: list[dict[str, Any]], out: Path) -> tuple[str, dict[str, Any]]:
+    points = sorted(points, key=lambda p: (p["delay"], p["r_over_t"]))
+    heat_map(points, out / "regimes.png")
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
+    lines = [
+        "| model | link | device | R s | T s | R/T | 1 + R/T | D that hides R | D | s/round speedup | to-target "
+        "speedup | accuracy gap (points) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {p['model']} | {p['link']} | {p['device']} | {p['path_s']:.2f} | {p['round_s']:.2f} | "
+            f"{p['r_over_t']:.2f} | {p['bound']:.2f}x | {p['delay_to_hide']} | {p['delay']} | "
+            f"{p['per_round_speedup']:.2f}x | {fmt(p['to_target_speedup'], '.2f')}x | "
+            f"{p['accuracy_gap_points']:+.2f} |"
+            for p in points
+        ),
+        "",
+        "Testbed spot checks (the same settings as real deployments on the namespaced testbed):",
+        "",
+        "| model | link | device | strategy | testbed s/round | simulated s/round | error | testbed R / T s "
+        "| simulated R / T s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {s['model']} | {s['link']} | {s['device']} | {s['strategy']} | {s['testbed_s_per_round']:.2f} | "
+            f"{s['simulated_s_per_round']:.2f} | {s['error']:+.0%} | {s['testbed_r_s']:.2f} / {s['testbed_t_s']:.2f} "
+            f"| {s['simulated_r_s']:.2f} / {s['simulated_t_s']:.2f} |"
+            for s in spots
+        ),
+    ]
+    worst = max((abs(s["error"]) for s in spots), default=math.nan)
+    lines += ["", f"Largest spot-check error: {worst:.0%} (aim: within {AIM:.0%}, on at least 3 points: "
+              f"{len([s for s in spots if abs(s['error']) <= AIM])} within)."]  # fmt: skip
+    return "\n".join(lines), {"grid": points, "spot_checks": spots, "largest_spot_error": worst}
+
+
+def heat_map(points: list[dict[str, Any]], path: Path) -> None:
+    """Speedup to target, by D (rows) and grid point ordered by R/T (columns), annotated with the accuracy gap."""
+    delays = sorted({p["delay"] for p in points})
+    columns = sorted({(p["r_over_t"], p["model"], p["link"], p["device"]) for p in points})
+    grid = [[math.nan] * len(columns) for _ in delays]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(columns)), 1.4 + 0.9 * len(delays)))
+    for p in points:
+        i, j = delays.index(p["delay"]), columns.index((p["r_over_t"], p["model"], p["link"], p["device"]))
+        grid[i][j] = p["to_target_speedup"] or math.nan
+        ax.text(j, i, f"{p['to_target_speedup'] or 0:.2f}x\n{p['accuracy_gap_points']:+.1f} pt",
+                ha="center", va="center", fontsize=7)  # fmt: skip
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=3.0, aspect="auto")
+    ax.set_xticks(range(len(columns)), [f"{m}\n{link}\n{d}\nR/T {r:.2f}" for r, m, link, d in columns], fontsize=7)
+    ax.set_yticks(range(len(delays)), [f"D = {d}" for d in delays])
+    ax.set_title("DGA against FedAvg: speedup to the converged target (simulated, with the accuracy gap)")
+    fig.colorbar(image, ax=ax, label="speedup to target")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
