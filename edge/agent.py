@@ -154,6 +154,7 @@ class EdgeAgent:
         self.data_dir = data_dir
         self.transport = transport
         self._cond = threading.Condition()
+        self._building = threading.Lock()  # one session built at a time
         self._session: Session | None = None
         self._job_text = ""
         self._stop = False
@@ -189,17 +190,18 @@ class EdgeAgent:
     # ----- messages -----------------------------------------------------------------------------------
     def session_for(self, job_text: str, partition_id: int, num_partitions: int) -> Session:
         """The session of this run, built (data loaded, model made: seconds, once per run) on its first message;
-        the job is parsed only then."""
-        current = self._session
-        if current and self._job_text == job_text and current.partition_id == partition_id:
-            return current
-        job = ClientJob.from_json(job_text)
-        check_partition(job, partition_id, num_partitions)
-        session = Session(job, partition_id, num_partitions, self.data_dir)
-        with self._cond:
-            self._session, self._job_text = session, job_text
-            self._cond.notify_all()
-        log.info("new session: %s partition %d (%d examples)", session.job.dataset, partition_id, session.num_examples)
+        the job is parsed only then. Messages served side by side wait for the one that builds it."""
+        with self._building:
+            current = self._session
+            if current and self._job_text == job_text and current.partition_id == partition_id:
+                return current
+            job = ClientJob.from_json(job_text)
+            check_partition(job, partition_id, num_partitions)
+            session = Session(job, partition_id, num_partitions, self.data_dir)
+            with self._cond:
+                self._session, self._job_text = session, job_text
+                self._cond.notify_all()
+        log.info("new session: %s partition %d (%d examples)", job.dataset, partition_id, session.num_examples)
         return session
 
     def train(self, instr: TrainInstruction, partition_id: int, num_partitions: int) -> TrainReply:

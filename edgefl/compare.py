@@ -27,7 +27,7 @@ DEFAULTS = {
     "dataset": "fashion-mnist",
     "partition": "dirichlet:0.3",
     "clients": 4,
-    "rounds": 20,
+    "rounds": 16,
     "local_steps": 20,
     "lr_schedule": "cosine",
     "target_accuracy": 0.78,

@@ -167,9 +167,13 @@ class NodeRuntime:
                 "--held-tasks", str(self.held_dir), *extra]  # fmt: skip
 
 
-def wait_for_superlink(procs: ProcessGroup) -> None:
+def start_superlink(procs: ProcessGroup, argv: list[str]) -> None:
+    """Start the SuperLink and return once it serves: its log says so after this start (a resumed run's log holds
+    the killed SuperLink's lines too)."""
     log = procs.log_dir / "superlink.log"
-    procs.wait_until("the SuperLink", lambda: "Uvicorn running on" in tail(log, 50), STARTUP_TIMEOUT_S)
+    offset = log.stat().st_size if log.exists() else 0
+    procs.start("superlink", argv)
+    procs.wait_until("the SuperLink", lambda: "Uvicorn running on" in tail_from(log, offset), STARTUP_TIMEOUT_S)
 
 
 def reach_superlink(address: str, root_cert: Path | None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -326,8 +330,7 @@ class LocalFederation:
         if self.place.backend != "loopback":
             self.certs = make_server_certs(self.run_dir / ".certs", [self.place.server_host])
         superlink = superlink_argv(self.place.server_host, port, self.certs)
-        self.procs.start("superlink", [*self.place.server_prefix, *superlink])
-        wait_for_superlink(self.procs)
+        start_superlink(self.procs, [*self.place.server_prefix, *superlink])
         for i, (prefix, runtime) in enumerate(zip(self.place.client_prefixes, self.runtimes, strict=True)):
             node_config = f"partition-id={i} num-partitions={self.config.clients}"
             supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config, serve=runtime)

@@ -43,9 +43,9 @@ from edgefl.launcher import (
     _flower_env,
     reach_superlink,
     run_flwr,
+    start_superlink,
     superlink_argv,
     supernode_argv,
-    wait_for_superlink,
     write_flwr_home,
 )
 from edgefl.processes import LaunchError, ProcessGroup, port_in_use, tail_from
@@ -120,11 +120,9 @@ def serve(
         raise ConfigError(f"cannot listen on {listen}: the port is in use or the address is not this machine's")
     out = out.resolve()
     logs = out / "logs"
-    (logs / "superlink.log").unlink(missing_ok=True)
     env = _flower_env(out)
     with ProcessGroup(logs, env) as procs:
-        procs.start("superlink", superlink_argv(host, port, certs, node_auth=bool(auth_keys)))
-        wait_for_superlink(procs)
+        start_superlink(procs, superlink_argv(host, port, certs, node_auth=bool(auth_keys)))
         local = f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
         write_flwr_home(Path(env["FLWR_HOME"]), local, certs.ca.resolve() if certs else None)
         for key in auth_keys:

@@ -57,12 +57,14 @@ X_AXES = (
 def plot_runs(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path, title: str) -> list[Path]:
     """accuracy against wall-clock time, rounds and cumulative bytes, one line per run; returns the PNG paths."""
     paths = []
+    links = {summary["link_profile"] for summary, _ in runs}
+    names = [label(s) if len(links) == 1 else f"{label(s)}, {s['link_profile']}" for s, _ in runs]
     for x_values, x_label, suffix in X_AXES:
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for summary, rows in runs:
+        for name, (_, rows) in zip(names, runs, strict=True):
             points = [(x, r["test_accuracy"]) for x, r in zip(x_values(rows), rows, strict=True)]
             points = [(x, accuracy) for x, accuracy in points if accuracy is not None]  # evaluated (--eval-every)
-            ax.plot(*zip(*points, strict=True), marker=".", label=label(summary))
+            ax.plot(*zip(*points, strict=True), marker=".", label=name)
         if suffix == "bytes":
             ax.set_xscale("log")
         target = runs[0][0].get("target_accuracy")

@@ -10,10 +10,11 @@ modelled seconds; ``real_s`` in each row is this host's. Two ways of timing a cl
   in flight, ``strategies.rounds``): each client is a ``netem.clock.ClientTimeline`` — one trainer, round after
   round, each round started once the trainer is free and a global model it may start from has reached the
   device (a global model reaches it ``down_s`` after its round closes), each update at the server ``up_s`` after
-  it is trained. When a round is due to start, Ray is sent a message that asks for that round alone, bringing
-  the newest global model that has reached the device by then: each round trains from the model the
-  deployment's agent would hold. The clock moves to the next start or arrival once no message in flight can
-  still arrive earlier.
+  it is trained. When the message for a client's next round is due to leave (``down_s`` before the round starts),
+  Ray is sent a message that asks for the round open then, bringing the newest global model that will have
+  reached the device when the round starts: each round trains from the model the deployment's agent would hold,
+  and a slow client's round that closes before its message lands is still trained, and late, as on the testbed.
+  The clock moves to the next departure or arrival once no message in flight can still arrive earlier.
 - FedBuff and partial participation are timed per message: a message pushed at time s is answered, at DGA's
   staleness bound, at s + ``ClientModel.cycle_s`` of its bytes each way and the steps its reply trained; a reply
   is taken once every message in flight has been answered (none can then arrive earlier).
@@ -39,7 +40,7 @@ from contract.run_folder import RunFolder
 from contract.settings import RunConfig
 from contract.transport import SIMULATION
 from contract.wire import WireSize, train_message, wire_size
-from fl_server.engine import InFlight, ServerLoop, parsed_reply
+from fl_server.engine import ServerLoop, parsed_reply
 from ml.data import load_dataset
 from ml.models import build_model
 from ml.trainer import LocalTrainer
@@ -90,6 +91,7 @@ class SimulatedServerLoop(ServerLoop):
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
         self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s)
         self.cycles: Counter[int] = Counter()  # partition → message cycles it made (the first pay slow start)
+        self.last_sent: dict[int, float] = {}  # partition → when its last message left (its models' rhythm)
         self.pipelined = (  # see the docstring
             not config.strategy_spec.buffer and self.engine.sampler.everyone and config.compress_down == "none"
         )
@@ -97,7 +99,7 @@ class SimulatedServerLoop(ServerLoop):
         self.starting: dict[str, tuple[int, float]] = {}  # message → (partition, when its round starts)
         self.globals: dict[int, np.ndarray] = {self.engine.aggregated: self.engine.global_params}
         self.held: dict[int, int] = {}  # partition → the newest global round sent to it
-        self.down_bytes = 0  # a global model's message (the first one measured; dense)
+        self.down_bytes = 0  # a message with a dense global model (measured when the clock starts)
         self.clock = 0.0
         self.arrivals: list[tuple[float, int, Message, Any, WireSize]] = []  # a heap of (modelled arrival, seq,
         # reply, parsed reply, its size): replies Ray has finished that the clock has not reached yet
@@ -125,15 +127,16 @@ class SimulatedServerLoop(ServerLoop):
     def _started(self) -> None:
         if not self.pipelined:
             return
-        start_round = self.engine.aggregated
+        start_round, params = self.engine.aggregated, self.engine.global_params
         first = wire_size(self._dense_message(0, Request(start_round + 1, start_round + 1, None, None)))
+        self.down_bytes = wire_size(self._dense_message(0, Request(1, 1, start_round, params))).bytes
         for partition, model in enumerate(self.models):
             timeline = ClientTimeline(model, self.config.local_steps, self.engine.delay)
             timeline.next_round = start_round + 1
             if start_round == 0:  # every client builds the seeded start model itself: the first message names it
                 timeline.arrivals.append((self.clock + model.down_s(first.bytes, 0), start_round))
             else:  # a resumed run: the first message brings the checkpoint's model, dense
-                timeline.global_sent(self.clock, start_round, self.engine.global_params.nbytes)
+                timeline.global_sent(self.clock, start_round, self.down_bytes)
             self.held[partition] = -1  # nothing delivered yet
             self.timelines[partition] = timeline
 
@@ -144,7 +147,7 @@ class SimulatedServerLoop(ServerLoop):
             for old in [r for r in self.globals if r < closed.round - self.engine.delay - 1]:
                 del self.globals[old]  # no round can start from it any more
             for timeline in self.timelines.values():
-                timeline.global_sent(now, closed.round, self.down_bytes or self.engine.global_params.nbytes)
+                timeline.global_sent(now, closed.round, self.down_bytes)
 
     def _push(self) -> bool:
         if not self.pipelined:
@@ -153,20 +156,18 @@ class SimulatedServerLoop(ServerLoop):
         for node, partition in sorted(self.members.admitted.items()):
             if not self.timelines:
                 break
-            timeline = self.timelines[partition]
-            start = self._next_start(partition)
-            if start is None or start > self.clock:
+            timing = self._departure(partition)
+            if timing is None or timing[1] > self.clock:
                 continue
+            (start, leaves), timeline = timing, self.timelines[partition]
             newest = timeline.newest_by(start)
             fresh = newest if newest > self.held[partition] else None
             request = self.engine.assign(node, timeline.next_round, fresh, self.globals.get(newest))
-            message = self._dense_message(node, request)
-            size = wire_size(message)
+            [msg_id] = self._send([(self._dense_message(node, request), False)])
             if fresh is not None:
-                self.held[partition], self.down_bytes = fresh, self.down_bytes or size.bytes
-            down = timeline.model.down_s(self.down_bytes or size.bytes, timeline.cycles)
-            [msg_id] = self._send([(message, False)])
-            self.outstanding[msg_id] = InFlight(node, start - down, size)  # when the model would have left
+                self.held[partition] = fresh
+            sent = self.outstanding[msg_id]
+            self.outstanding[msg_id] = dataclasses.replace(sent, sent_at=leaves)
             self.starting[msg_id] = (partition, start)
             busy = True
         return busy
@@ -208,12 +209,22 @@ class SimulatedServerLoop(ServerLoop):
     def _next_start(self, partition: int) -> float | None:
         """When the partition's next round starts (``ClientTimeline.start_s``); None while its last one is not back
         from Ray, it has none left, or no global model it may start from has been sent. A round that closed
-        meanwhile is skipped: the deployment's next message tells the agent to."""
+        before its message left is skipped: the deployment's next message tells the agent to."""
         timeline = self.timelines[partition]
         timeline.next_round = max(timeline.next_round, self.engine.aggregated + 1)
         if timeline.next_round > self.config.rounds or any(p == partition for p, _ in self.starting.values()):
             return None
         return timeline.start_s()
+
+    def _departure(self, partition: int) -> tuple[float, float] | None:
+        """When the partition's next round starts, and when its message leaves the server: ``down_s`` before (it
+        asks for the round open then, even if that round closes before the message lands); None: see
+        ``_next_start``."""
+        start = self._next_start(partition)
+        if start is None:
+            return None
+        timeline = self.timelines[partition]
+        return start, start - timeline.model.down_s(self.down_bytes, timeline.cycles)
 
     def _pull_pipelined(self) -> bool:
         """Take Ray's answers, then move the clock to the next event — a round's start (``_push`` sends it) or an
@@ -232,10 +243,10 @@ class SimulatedServerLoop(ServerLoop):
             ),
             default=math.inf,
         )
-        starts = [self._next_start(partition) for partition in self.timelines]
-        next_start = min((start for start in starts if start is not None), default=math.inf)
+        timings = [self._departure(partition) for partition in self.timelines]
+        next_departure = min((leaves for _, leaves in filter(None, timings)), default=math.inf)
         next_arrival = self.arrivals[0][0] if self.arrivals else math.inf
-        upcoming = min(next_start, next_arrival)
+        upcoming = min(next_departure, next_arrival)
         if upcoming == math.inf or upcoming > earliest:
             return bool(replies)
         deadline = self.engine.deadline_at
@@ -244,8 +255,8 @@ class SimulatedServerLoop(ServerLoop):
             if self._close_rounds():
                 return True
         self.clock = max(self.clock, upcoming)
-        if next_start <= next_arrival:
-            return True  # _push sends the round that starts now
+        if next_departure <= next_arrival:
+            return True  # _push sends the message that leaves now
         _, _, reply, parsed, size = heapq.heappop(self.arrivals)
         self._settle(reply, parsed, size, self.clock)
         return True
@@ -263,16 +274,29 @@ class SimulatedServerLoop(ServerLoop):
             partition, start = self.starting.pop(message_id)
             timeline = self.timelines[partition]
             at = timeline.train(start, size.bytes)
-            if isinstance(parsed, TrainReply):  # held: the round's training; the rest of the trip is its path
-                parsed = dataclasses.replace(parsed, held_s=timeline.round_s)
+            parsed = self._on_device(parsed, partition, held_s=timeline.round_s)  # the rest of the trip: its path
             heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
             return
         steps = len(parsed.updates) * self.config.local_steps if isinstance(parsed, TrainReply) else 0
         partition = self.partition_of[sent.node]
+        parsed = self._on_device(parsed, partition)
         cycle_index = self.cycles[partition]
         self.cycles[partition] += 1
-        at = sent.sent_at + self.models[partition].cycle_s(sent.size.bytes, steps, size.bytes, cycle_index)
+        previous = self.last_sent.get(partition, sent.sent_at)
+        self.last_sent[partition] = max(previous, sent.sent_at)
+        at = sent.sent_at + self.models[partition].cycle_s(
+            sent.size.bytes, steps, size.bytes, cycle_index, sent.sent_at - previous
+        )
         heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
+
+    def _on_device(self, parsed: TrainReply | str | None, partition: int, **changes: float) -> Any:
+        """A reply as the client's device would have sent it: each update trained in the device's time (the
+        clock's), not in the seconds this host's worker took; ``changes``: other fields of the reply."""
+        if not isinstance(parsed, TrainReply):
+            return parsed
+        train_s = self.config.local_steps * self.models[partition].step_s
+        updates = tuple(dataclasses.replace(update, train_s=train_s) for update in parsed.updates)
+        return dataclasses.replace(parsed, updates=updates, **changes)
 
     def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:
         return {**super()._row(closed, wall_s), "real_s": time.monotonic() - self.real_t0}

@@ -25,10 +25,11 @@ A message cycle (the server pushes a message, the client trains the rounds it br
   (IW = 10 segments, RFC 6928), which doubles every round trip until it holds the path's bandwidth-delay product
   (:func:`slow_start_s`). Flower's SuperNode moves a message's objects (Message, RecordDict, ConfigRecord:
   ``contract.wire``) in parallel HTTP/1.1 requests, each on a pooled TCP connection of its own, so a model meets
-  each of C = ``POOLED_CONNECTIONS`` (3) connections new once each way. The clock charges these to a client's
-  first C cycles; on the testbed they fall within about its first ten, whenever the model's request is given a
-  connection that has not carried one yet. A connection closed after 5 s idle (httpx's and uvicorn's keep-alive)
-  is replaced by a new one, cold again: that is left out.
+  each of C = ``POOLED_CONNECTIONS`` (3) connections new once each way: the clock charges these to a client's
+  first C cycles. Connections idle for ``KEEPALIVE_S`` (5 s: httpx's and uvicorn's keep-alive) are closed but for
+  the one the SuperNode's polls keep open, so a model that goes a way more than 5 s after the last one pays
+  (C − 1)/C of S(b) in expectation (``cold_share``): FedAvg's rounds of more than 5 s meet it every round, DGA's
+  pipeline, whose models go every round, mostly not.
 
 Jitter averages out and is left out. The cycle splits into the message's way down (F/2, F_d/2 and b_down's
 handling, ``DOWN_RTTS`` round trips, the transfer) and the reply's way up (the rest): ``ClientTimeline`` times
@@ -47,11 +48,22 @@ from netem.profiles import Link, LinkProfile
 MESSAGE_FIXED_S = 0.48
 MESSAGE_RTTS = 5
 DOWN_RTTS = 3  # of them on the message's way down: PullMessages, the objects, ConfirmMessageReceived
-DEVICE_FIXED_S = 0.0  # this host's core-seconds a device spends on a message cycle besides its bytes
-DEVICE_S_PER_MB = 0.0  # and per MB of message it takes or sends (both measured by bench/calibration.py)
+DEVICE_FIXED_S = 0.162  # this host's core-seconds a device spends on a message cycle besides its bytes, and per MB
+DEVICE_S_PER_MB = 0.015  # of message it takes or sends: python bench/calibration.py --fit (rpi4, 4 clients, lan)
 MSS_BYTES = 1448
 INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
 POOLED_CONNECTIONS = 3  # a message's objects each way, requested in parallel (contract.wire)
+KEEPALIVE_S = 5.0  # httpx and uvicorn close a connection idle this long: the next transfer starts cold
+
+
+def cold_share(cycle_index: int, idle_s: float) -> float:
+    """How much of a transfer's slow start a model pays, in expectation: all of it in a client's first C cycles
+    (every pooled connection new); after its direction sat idle past ``KEEPALIVE_S``, (C − 1)/C (the pooled
+    connections closed but the one the SuperNode's polls keep open, and the model takes one of C at random);
+    none while they are warm."""
+    if cycle_index < POOLED_CONNECTIONS:
+        return 1.0
+    return (POOLED_CONNECTIONS - 1) / POOLED_CONNECTIONS if idle_s > KEEPALIVE_S else 0.0
 
 
 def rate_bps(direction: LinkProfile, rtt_s: float) -> float:
@@ -86,26 +98,29 @@ class ClientModel:
     step_s: float
     share: float = 1.0
 
-    def _direction(self, profile: LinkProfile, size: int, rtts: int, cycle_index: int) -> float:
+    def _direction(self, profile: LinkProfile, size: int, rtts: int, cycle_index: int, idle_s: float) -> float:
         rtt = self.link.rtt_ms / 1000
         rate = rate_bps(profile, rtt)
-        cold = slow_start_s(size, rate, rtt) if cycle_index < POOLED_CONNECTIONS else 0.0
+        cold = slow_start_s(size, rate, rtt) * cold_share(cycle_index, idle_s)
         device = (DEVICE_FIXED_S / 2 + DEVICE_S_PER_MB * size / 1e6) / self.share
         return MESSAGE_FIXED_S / 2 + rtts * rtt + 8 * size / rate + cold + device
 
-    def down_s(self, bytes_down: int, cycle_index: int) -> float:
+    def down_s(self, bytes_down: int, cycle_index: int, idle_s: float = 0.0) -> float:
         """Seconds from the server's push until the agent holds the message: PullMessages, the objects,
-        ConfirmMessageReceived (``DOWN_RTTS``), half the fixed cost, the transfer and the device's handling."""
-        return self._direction(self.link.down, bytes_down, DOWN_RTTS, cycle_index)
+        ConfirmMessageReceived (``DOWN_RTTS``), half the fixed cost, the transfer and the device's handling;
+        ``cycle_index``: the client's cycles before, ``idle_s``: since its last model went this way
+        (``cold_share``)."""
+        return self._direction(self.link.down, bytes_down, DOWN_RTTS, cycle_index, idle_s)
 
-    def up_s(self, bytes_up: int, cycle_index: int) -> float:
+    def up_s(self, bytes_up: int, cycle_index: int, idle_s: float = 0.0) -> float:
         """Seconds from the agent's answer until the server has pulled it: PushMessages and the objects."""
-        return self._direction(self.link.up, bytes_up, MESSAGE_RTTS - DOWN_RTTS, cycle_index)
+        return self._direction(self.link.up, bytes_up, MESSAGE_RTTS - DOWN_RTTS, cycle_index, idle_s)
 
-    def cycle_s(self, bytes_down: int, steps: int, bytes_up: int, cycle_index: int) -> float:
-        """Seconds from the server's push to its pull of the reply, training ``steps`` local steps in between;
-        ``cycle_index``: how many cycles this client made before (its first C pay slow start)."""
-        return self.down_s(bytes_down, cycle_index) + steps * self.step_s + self.up_s(bytes_up, cycle_index)
+    def cycle_s(self, bytes_down: int, steps: int, bytes_up: int, cycle_index: int, idle_s: float = 0.0) -> float:
+        """Seconds from the server's push to its pull of the reply, training ``steps`` local steps in between; its
+        models each way are ``idle_s`` after the ones before (the cycles follow each other)."""
+        down, up = self.down_s(bytes_down, cycle_index, idle_s), self.up_s(bytes_up, cycle_index, idle_s)
+        return down + steps * self.step_s + up
 
 
 @dataclass
@@ -123,10 +138,14 @@ class ClientTimeline:
     next_round: int = 1
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (when, global round), in sending order
     cycles: int = 0  # messages so far (the first C pay slow start)
+    last_down: float = 0.0  # when its last model came down, and when its last update went up (``cold_share``)
+    last_up: float = 0.0
 
     def global_sent(self, at: float, round_: int, size: int) -> None:
         """The global model of ``round_`` left the server at ``at`` in a message of ``size`` bytes."""
-        self.arrivals.append((at + self.model.down_s(size, self.cycles), round_))
+        arrival = at + self.model.down_s(size, self.cycles, at - self.last_down)
+        self.arrivals.append((arrival, round_))
+        self.last_down = max(self.last_down, arrival)
 
     def start_s(self) -> float | None:
         """When the next round starts: once the trainer is free and a global model it may start from (round
@@ -146,8 +165,9 @@ class ClientTimeline:
     def train(self, at: float, bytes_up: int) -> float:
         """The next round starts at ``at``: when its update (``bytes_up``) reaches the server."""
         done = at + self.round_s
-        arrival = done + self.model.up_s(bytes_up, self.cycles)
+        arrival = done + self.model.up_s(bytes_up, self.cycles, done - self.last_up)
         self.free_at, self.next_round, self.cycles = done, self.next_round + 1, self.cycles + 1
+        self.last_up = max(self.last_up, arrival)
         return arrival
 
 

@@ -674,3 +674,20 @@ def test_state_dict_restores_the_memory(spec: str) -> None:
         restored.load_state_dict({**state, name: np.zeros(3)})
     with pytest.raises(CodecError, match="codec state has arrays"):
         restored.load_state_dict({})
+
+
+@pytest.mark.parametrize("model", ["resnet8", "leaf-lstm"])
+def test_every_codec_carries_the_papers_models(model: str) -> None:
+    """ResNet-8's conv and GroupNorm tensors and LEAF's LSTM (embedding, 2 x (4·256) x 512 gate matrices, biases):
+    what each codec sends is what the server decodes, and the dense codec is exact."""
+    from ml.models import build_model, param_layout
+    from tests.test_models import image_set, text_set
+
+    layout = param_layout(build_model(image_set(28) if model == "resnet8" else text_set(), 0, model))
+    for spec in SPECS:
+        u = random_update(7, layout)
+        encoded = make_client_codec(parse_codec(spec), layout, 0).encode(u, 10)
+        decoded = decode_sent(encoded, layout)
+        assert decoded.shape == u.shape and np.isfinite(decoded).all()
+        if spec == "none":
+            np.testing.assert_array_equal(decoded, u)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import socket
 import time
@@ -291,6 +292,13 @@ def _restart(procs: ProcessGroup, killed: dict[str, object]) -> None:
     procs.start("supernode-restarted", killed["supernode"].args)
 
 
+def _trained(row: dict, client: int) -> bool:
+    """Whether ``client`` brought a trained update to this round: counted, or refused as late (on a loaded host
+    a client that lost a round's head start may stay a deadline behind; its reply still says it trains)."""
+    late = any(r["client"] == client and r["reason"].startswith("late:") for r in row["rejected"])
+    return client in row["clients"] or late
+
+
 @pytest.mark.federation
 @pytest.mark.root
 @needs_root
@@ -298,7 +306,7 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
     """kill -9 of client 3's agent while it holds a task (its SuperNode lives on; the agent, restarted, answers
     the task it held with an error at once, and the server sends the model again) and of client 2's SuperNode under
     a running agent (it comes back under a new node id: a spare until Flower drops the dead node, 60 s without its
-    heartbeats, then it trains again)."""
+    heartbeats, or less if Flower drops it sooner; then it trains again)."""
     config = _testbed_config(run_dir, rounds=24, clients=4, quorum=0.5, round_deadline_s=4.0, local_steps=300)
     with federation(config) as (_, procs, run_dir):
         wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
@@ -317,15 +325,19 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
         wait_for_rows(run_dir, lambda rows: any(r["closed_by"] == "deadline" for r in rows[killed_after:]), "quorum")
         restarted_after = len(_rows(run_dir))
         _restart(procs, killed)
-        back = wait_for_rows(run_dir, lambda rows: any(3 in r["clients"] for r in rows[restarted_after:]), "client 3")
+        ready_after = len(_rows(run_dir))  # the agent's start-up (tens of seconds on a loaded host) has passed
+        back = wait_for_rows(run_dir, lambda rows: any(_trained(r, 3) for r in rows[restarted_after:]), "client 3")
         rows = _finish(config, procs, run_dir)
-    assert len(back) - restarted_after <= 3, "client 3 waited for its task to expire"  # 60 s: 15 rounds
+    assert len(back) - ready_after <= 3, "client 3 waited for its task to expire"  # 60 s: 15 rounds
     assert ABANDONED in (procs.log_dir / "agent-restarted.log").read_text()
     assert f"client error: {ABANDONED}" in json.dumps(rows[restarted_after:])
     assert any({2, 3}.isdisjoint(r["clients"]) for r in rows[killed_after : restarted_after + 1])
     assert any(2 in r["clients"] for r in rows[restarted_after + 1 :]), "client 2 never came back"
     assert all(len(r["clients"]) >= 2 and len(set(r["clients"])) == len(r["clients"]) for r in rows)
-    assert "takes over partition 2" in (run_dir / "server.log").read_text()  # once the dead SuperNode was dropped
+    # A new node trains partition 2: as a spare that takes over once Flower dropped the dead node, or at once if
+    # Flower dropped it before the SuperNode came back.
+    trainers = re.findall(r"node (\d+) (?:trains|takes over) partition 2", (run_dir / "server.log").read_text())
+    assert len(set(trainers)) == 2, trainers
 
 
 @pytest.mark.federation
@@ -438,7 +450,7 @@ def test_a_server_killed_mid_run_resumes_from_its_checkpoint(run_dir: Path) -> N
     for client in (0, 1):  # the resumed agent's first reply: trained from the global model of the checkpoint
         resumed = (run_dir / "logs" / f"agent-{client}.log").read_text().rsplit("new session", 1)[1]
         first_reply = next(line for line in resumed.splitlines() if "reply: rounds" in line)
-        assert f"global model of round {checkpoint.round};" in first_reply, first_reply
+        assert f"global model of round {checkpoint.round}, held" in first_reply, first_reply
     # The clock went on: rounds closed by one reply share a time, and the resumed rounds come after the killed one.
     assert all(rows[i]["wall_s"] <= rows[i + 1]["wall_s"] for i in range(rounds - 1))
     assert rows[checkpoint.round]["wall_s"] > rows[checkpoint.round - 1]["wall_s"]

@@ -23,7 +23,7 @@ from edge.bench import (
     run_bench,
 )
 from ml.data import CHAR_VOCAB, SEQ_LEN, DataError, Dataset, Rows, encode_chars, load_dataset
-from ml.models import build_model, get_flat_params
+from ml.models import ModelError, build_model, get_flat_params
 from ml.onnx import OnnxClassifier, export_onnx, quantize_int8
 from ml.trainer import LocalTrainer, evaluate
 from tests.conftest import edgefl
@@ -156,3 +156,14 @@ def test_bench_command_bad_input_is_one_line_and_exit_2() -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert lines == ["edgefl: error: no/such/run is not a run folder: no such folder"], done.stderr
+
+
+def test_bench_builds_the_model_it_is_asked_for() -> None:
+    """``edgefl edge bench DATA --model NAME``: a fresh model of that kind, through all three back ends; one that
+    does not take the data set is one line."""
+    target = load_target("digits", model="resnet8")
+    assert type(target.model).__name__ == "ResNet8" and target.label == "fresh resnet8 for digits"
+    report = run_bench(target, seconds=0.3)
+    assert report.fp32_agrees
+    with pytest.raises(ModelError, match=r"^model 'leaf-lstm' takes text data and digits is image data"):
+        load_target("digits", model="leaf-lstm")

@@ -19,12 +19,16 @@ from contract.settings import ConfigError, build_config
 from edge.devices import device_profile
 from edgefl import cli
 from netem.clock import (
+    DEVICE_FIXED_S,
+    DEVICE_S_PER_MB,
+    KEEPALIVE_S,
     MESSAGE_FIXED_S,
     MESSAGE_RTTS,
     POOLED_CONNECTIONS,
     ClientModel,
     ClientTimeline,
     client_models,
+    cold_share,
     device_step_s,
     rate_bps,
     slow_start_s,
@@ -38,13 +42,16 @@ DIGITS = ["--dataset", "digits", "--partition", "iid", "--local-steps", "3"]
 
 def test_the_clock_adds_fixed_cost_round_trips_transfer_and_training() -> None:
     """rural-lte: 100 ms RTT, 1 Mbit/s up, 4 down, 0.5 % loss. TCP's loss bound (Mathis) is
-    1448·8 / 0.1 · √1.5 / √0.005 = 2,006,406 bit/s: it binds down (4 Mbit/s), not up (1 Mbit/s)."""
+    1448·8 / 0.1 · √1.5 / √0.005 = 2,006,406 bit/s: it binds down (4 Mbit/s), not up (1 Mbit/s). The device's
+    own handling of the 0.15 MB takes 1/share as long on a device of that share of this host's core."""
     link = BUILTIN_LINKS["rural-lte"]
     assert rate_bps(link.down, 0.1) == pytest.approx(2_006_406, rel=1e-6)
     assert rate_bps(link.up, 0.1) == 1e6
     assert rate_bps(BUILTIN_LINKS["lan"].up, 0.0) == math.inf
-    cycle = ClientModel(link, step_s=0.1).cycle_s(bytes_down=100_000, steps=10, bytes_up=50_000, cycle_index=3)
-    assert cycle == pytest.approx(0.48 + 5 * 0.1 + 800_000 / 2_006_406 + 0.4 + 1.0, rel=1e-6)
+    device = DEVICE_FIXED_S + DEVICE_S_PER_MB * 0.15
+    for share in (1.0, 0.144):
+        cycle = ClientModel(link, 0.1, share).cycle_s(bytes_down=100_000, steps=10, bytes_up=50_000, cycle_index=3)
+        assert cycle == pytest.approx(0.48 + device / share + 5 * 0.1 + 800_000 / 2_006_406 + 0.4 + 1.0, rel=1e-6)
     assert (MESSAGE_FIXED_S, MESSAGE_RTTS) == (0.48, 5)
 
 
@@ -141,16 +148,17 @@ def wait_for_rows(proc: subprocess.Popen[str], run_dir: Path, count: int, timeou
 
 @pytest.mark.federation
 def test_a_round_deadline_passes_at_its_modelled_time(run_dir: Path) -> None:
-    """A laptop on a LAN answers in about half a modelled second, a Pi 3 on an IoT uplink in more than six (0.48 s,
-    five 200 ms round trips, ~150 kB up at 0.25 Mbit/s): with a 1 s deadline and a quorum of one, every round
-    closes at its deadline, on the clock, with the laptop's update only — the Pi's arrives late and is refused."""
-    done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "8", "--round-deadline-s", "1", "--quorum", "0.5",
+    """A laptop on a LAN answers in about half a modelled second, a Pi 3 on an IoT uplink in about eleven (0.48 s,
+    five 200 ms round trips, ~150 kB up at 0.25 Mbit/s, its own handling of both messages at 0.067 of a core):
+    with a 1 s deadline and a quorum of one, every round closes at its deadline, on the clock, with the laptop's
+    update only — the Pi's arrives late and is refused."""
+    done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "12", "--round-deadline-s", "1", "--quorum", "0.5",
                   "--federation", "simulation", "--profile", "lan,iot-uplink", "--device-profile", "laptop,rpi3",
                   "--out", str(run_dir))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = read_rounds(run_dir)
-    assert [(r["clients"], r["closed_by"]) for r in rows] == [([0], "deadline")] * 8
-    assert [r["wall_s"] for r in rows] == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    assert [(r["clients"], r["closed_by"]) for r in rows] == [([0], "deadline")] * 12
+    assert [r["wall_s"] for r in rows] == pytest.approx([float(i) for i in range(1, 13)])
     assert any("late" in rejection["reason"] for r in rows for rejection in r["rejected"])
 
 
@@ -189,3 +197,40 @@ def test_a_pipelined_client_trains_round_after_round_and_waits_only_at_the_stale
         else:
             assert starts == pytest.approx([i * (1.0 + up + down) for i in range(4)])  # lock-step
     assert timeline.newest_by(0.0) == 0 and timeline.newest_by(math.inf) == 4
+
+
+@pytest.mark.federation
+def test_a_simulated_dga_runs_the_deployments_pipeline(run_dir: Path) -> None:
+    """DGA with every client in every round is timed as the agent's pipeline (``ClientTimeline``): each message
+    asks for one round, held for and recorded as training exactly that round's modelled time on its device. With
+    D as long as the run no round waits for a global model, and the laptop on a lan (no slow start there) trains
+    its rounds back to back: one trainer, one round after the other."""
+    done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "8", "--strategy", "dga:8",
+                  "--federation", "simulation", "--profile", "lan,long-distance", "--device-profile", "laptop,rpi4",
+                  "--clock-step-s", "0.01", "--out", str(run_dir))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["clock"]["pipelined"] and summary["rounds"] == 8
+    step_s = {0: 0.01, 1: 0.01 / device_profile("rpi4").cpu_fraction}
+    assert summary["round_train_s"] == pytest.approx(3 * (step_s[0] + step_s[1]) / 2)  # the median of 8 + 8 rounds
+    trips = [m for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]]
+    assert trips and all(len(m["rounds"]) == 1 for m in trips)
+    for partition, step in step_s.items():
+        mine = sorted((m for m in trips if m["partition"] == partition), key=lambda m: m["rounds"][0])
+        assert [m["rounds"][0] for m in mine] == list(range(1, 9))
+        assert [m["held_s"] for m in mine] == pytest.approx([3 * step] * len(mine))
+        assert [m["train_s"] for m in mine] == pytest.approx([3 * step] * len(mine))  # the device's, not Ray's
+    laptop = sorted((m for m in trips if m["partition"] == 0), key=lambda m: m["rounds"][0])
+    ends = [m["sent_at"] + m["round_trip_s"] for m in laptop]  # arrival = start + training + the way up
+    assert np.diff(ends) == pytest.approx([0.03] * (len(ends) - 1), abs=1e-6)  # back to back: nothing waited
+
+
+def test_a_model_pays_slow_start_again_once_its_connections_sat_idle() -> None:
+    """Past a client's first three cycles a model's transfer is warm while its direction carried one within the
+    keep-alive (5 s); after that the pooled connections are closed but the one the polls keep, so it pays
+    (C − 1)/C of slow start in expectation."""
+    assert [cold_share(i, 0.0) for i in range(4)] == [1.0, 1.0, 1.0, 0.0]
+    assert cold_share(3, KEEPALIVE_S + 0.1) == pytest.approx(2 / 3)
+    model = ClientModel(BUILTIN_LINKS["long-distance"], step_s=0.05)
+    warm, idle = model.down_s(424_000, 5, idle_s=1.0), model.down_s(424_000, 5, idle_s=12.0)
+    assert idle - warm == pytest.approx(2 / 3 * slow_start_s(424_000, math.inf, 0.3))
