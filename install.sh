@@ -7,8 +7,14 @@ SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-# iproute2: namespaces and qdiscs for the link testbed; dataset-fashion-mnist: the data, offline.
-$SUDO apt-get install -y -qq python3-venv iproute2 dataset-fashion-mnist >/dev/null
+# iproute2: namespaces and qdiscs for the link testbed; dataset-fashion-mnist: the data, offline; nginx-light:
+# edgefl server's gateway; stunnel4: the submitter's tunnel to it (edgefl/gateway.py). edgefl starts nginx
+# itself, so a system nginx service the package installs is stopped and disabled unless it was there before.
+had_nginx=$(command -v nginx || [ -x /usr/sbin/nginx ] && echo yes || true)
+$SUDO apt-get install -y -qq python3-venv iproute2 dataset-fashion-mnist nginx-light stunnel4 >/dev/null
+if [ -z "$had_nginx" ] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now nginx >/dev/null 2>&1 || true
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # torch is pinned to 2.13.0 in pyproject.toml: where a CPU build of it is offered (a local wheel, or the

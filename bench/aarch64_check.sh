@@ -10,10 +10,11 @@
 # 3. runs one small federation as on real devices, over TLS: `edgefl server` on this machine, `edgefl client` in
 #    the chroot (which shares this machine's network namespace, so they meet on loopback), `edgefl run
 #    --federation remote` (FedAvg, digits, 1 client); checks that every round closed with the client's update.
-# Ends with a PASS/FAIL summary. Needs root. Stops every process it started and removes its mounts on exit.
+# Ends with a PASS/FAIL summary. Needs root. Stops every process it started and removes its mounts on exit;
+# whenever it stops early it says why in one line (exit 2).
 #
 #   bench/aarch64_check.sh [--cache DIR] [--out DIR] [--rounds N] [--local-steps K] [--fresh-venv]
-set -euo pipefail
+set -Eeuo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=/var/cache/edgefl-aarch64
@@ -26,11 +27,34 @@ DEVICE_PROJECT=/opt/edgefl
 DEVICE_OUT=/root/edgefl-client
 STARTUP_TIMEOUT_S=900 # the server and the client start in seconds here, in minutes under emulation
 
-usage() { sed -n '2,14s/^# \{0,1\}//p' "$0"; }
+usage() { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; }
 die() {
     echo "aarch64_check: error: $*" >&2
     exit 2
 }
+# A command that failed (set -e) stops the check with its line and status; in a subshell, only the subshell ends
+# (the command that ran it fails in turn and is the one named).
+on_error() {
+    local status=$?
+    [ "$BASHPID" = "$$" ] || exit "$status"
+    die "stopped at line $1: \"${2//$'\n'/ }\" failed (exit $status)${LOG:+; see $LOG}"
+}
+# The Debian mirror apt uses on the machine whose root file system is at $1 ("" for this one): the first URI
+# ending in /debian of a deb822 "URIs:" line (sources.list.d/*.sources) or a one-line "deb" entry (sources.list,
+# sources.list.d/*.list). Either form may be missing; prints nothing when none names such a mirror.
+debian_mirror() {
+    local file files=()
+    for file in "$1"/etc/apt/sources.list.d/*.sources "$1"/etc/apt/sources.list "$1"/etc/apt/sources.list.d/*.list; do
+        [ -f "$file" ] && files+=("$file")
+    done
+    [ "${#files[@]}" -gt 0 ] || return 0
+    sed -n -e '/^URIs:[[:space:]]*\([^[:space:]]*\/debian\)\/\{0,1\}\([[:space:]].*\)\{0,1\}$/{s//\1/p;q}' \
+        -e '/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]*\)\{0,1\}\([^[:space:]]*\/debian\)\/\{0,1\}[[:space:]].*/{s//\2/p;q}' \
+        "${files[@]}"
+}
+# Sourced (the tests): the functions above only.
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
+trap 'on_error "$LINENO" "$BASH_COMMAND"' ERR
 while [ $# -gt 0 ]; do
     case "$1" in
         --cache) CACHE=$2; shift 2 ;;
@@ -47,10 +71,7 @@ mkdir -p "$CACHE" "$OUT"
 CACHE=$(cd "$CACHE" && pwd)
 OUT=$(cd "$OUT" && pwd)
 ROOTFS=$CACHE/rootfs
-# The Debian mirror this machine's apt uses (deb822 "URIs:" or a one-line "deb" entry); debootstrap's own
-# default when there is none.
-MIRROR=$(sed -n -e 's/^URIs: *\([^ ]*\/debian\)$/\1/p' -e 's/^deb  *\(\[[^]]*\] *\)\{0,1\}\([^ ]*\/debian\) .*/\2/p' \
-    /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null | head -n 1)
+MIRROR=$(debian_mirror "") # debootstrap's own default when there is none
 LOG=$OUT/aarch64_check.log
 : >"$LOG"
 EDGEFL=edgefl
@@ -92,6 +113,7 @@ stop_chroot_processes() {
 }
 
 cleanup() {
+    trap - ERR
     set +e
     local i
     for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
@@ -190,7 +212,7 @@ echo "install: $install_s s (.venv $venv, pip cache $pip_cache); $arch; $version
 step "edgefl server here, edgefl client in the chroot, edgefl run --federation remote (TLS)"
 copy_project
 rm -rf "$OUT/certs"
-"$EDGEFL" certs --out "$OUT/certs" --host 127.0.0.1 >>"$LOG"
+"$EDGEFL" certs --out "$OUT/certs" --host 127.0.0.1 --submitters 1 >>"$LOG"
 cp "$OUT/certs/ca.pem" "$ROOTFS/root/edgefl-ca.pem"
 server=127.0.0.1:$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 nice -n 19 "$EDGEFL" server --listen "$server" --certs "$OUT/certs" --out "$OUT/server" >"$OUT/server.out" 2>&1 &
@@ -202,7 +224,7 @@ wait_for_line "$OUT/server.out" "submit runs from this machine" "$!" "edgefl ser
 PIDS+=($!)
 wait_for_line "$OUT/client.out" "joined $server" "$!" "edgefl client"
 start=$SECONDS
-nice -n 19 "$EDGEFL" run --federation remote --server "$server" --root-cert "$OUT/certs/ca.pem" --strategy fedavg \
+nice -n 19 "$EDGEFL" run --federation remote --server "$server" --root-cert "$OUT/certs/ca.pem" --submitter-cert "$OUT/certs/submitter-0.pem" --strategy fedavg \
     --dataset digits --partition iid --clients 1 --rounds "$ROUNDS" --local-steps "$LOCAL_STEPS" \
     --round-deadline-s 600 --out "$OUT/run" > >(tee -a "$LOG") 2>&1 &
 PIDS+=($!)
@@ -242,4 +264,4 @@ verdict=FAIL
     echo "  log: $LOG (and server.out, client.out beside it)"
     echo "  run: $OUT/run (server: $OUT/server/logs, client: $ROOTFS$DEVICE_OUT/logs)"
 } | tee -a "$LOG"
-[ "$verdict" = PASS ]
+[ "$verdict" = PASS ] || exit 1

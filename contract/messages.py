@@ -1,10 +1,11 @@
 """The two messages of a training exchange as typed records (no Flower here; ``contract.wire`` lays them out in
 Flower's). Down, server → device: the run's job, the rounds the device may train and, when it does not hold it
 yet, the global model as a ``Broadcast``. Up, device → server: every update it has ready, one ``Update``
-record each, all the way from the agent to the server's ``RoundEngine``."""
+record each, all the way from the agent to the server's ``RoundEngine``, and the size of its partition."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,9 @@ class TrainInstruction:
     next_round: int
     last_round: int
     broadcast: Broadcast | None  # None when the device already holds the newest global model
+    # A fresh secret per message, echoed by the reply: only whoever received the message can answer it (Flower's
+    # SuperLink does not check that a reply's sender is the node the message went to).
+    reply_key: str = field(default_factory=lambda: secrets.token_hex(16))
 
     @classmethod
     def identify(cls, job: str) -> TrainInstruction:
@@ -37,3 +41,6 @@ class TrainReply:
     health: dict[str, Any] = field(default_factory=dict)  # edge.health.health_snapshot()
     transport: str = "stock"  # contract.transport: how this device's SuperNode moves messages
     held_s: float = 0.0  # how long the agent held the message before answering (training, waiting for an update)
+    partition_size: int = 0  # the training examples of its partition, as the device declares them (0: none said):
+    # what bounds each update's num_examples (fl_server.membership)
+    reply_key: str = ""  # the instruction's, echoed by the device's ClientApp (fl_client.app)

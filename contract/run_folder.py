@@ -3,8 +3,12 @@
 continues from), ``global.onnx`` (the final model) and ``server_error.txt`` when the server failed.
 
 The ServerApp writes them through ``RunFolder``. In a run submitted from another machine
-(``--federation remote``) it also echoes every write as one ``ECHO`` line on its output, which Flower streams to
-the submitter (``flwr log --stream``); there ``mirror`` writes the same files into the submitter's folder.
+(``--federation remote``) it also echoes every write on its output as ``ECHO`` lines, which Flower streams to
+the submitter (``flwr log --stream``); there a ``Mirror`` writes the same files into the submitter's folder. A
+whole file is echoed base64 in chunks, each naming the file's SHA-256; the checkpoint, written every round, is
+echoed only before the run's last word (its summary or its error), so the submitter can resume it or bench its
+model. The submitter's folder names the server's folder of the run (``REMOTE_RUN``); a resumed run goes on there,
+from the server's own checkpoint, and first echoes its rounds.jsonl whole, cut back to that checkpoint.
 
 A round's row is appended before its checkpoint is written, so after a crash rounds.jsonl may run ahead of the
 checkpoint (never behind); a resumed run first cuts it back to the checkpoint's round."""
@@ -12,12 +16,16 @@ checkpoint (never behind); a resumed run first cuts it back to the checkpoint's 
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import json
 import math
 import os
 import statistics
+import sys
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +41,16 @@ SERVER_ERROR = "server_error.txt"
 
 ECHO = "edgefl-result "
 ECHO_CHUNK = 48_000  # bytes of a binary file per echoed line (base64: 64 kB)
+REMOTE_RUN = ".remote-run"  # in a remote run's folder on the submitter: the server's folder of the run
+ECHOED_ROWS = (ROUNDS, MESSAGES)
+ECHOED_FILES = (ROUNDS, SUMMARY, CHECKPOINT, GLOBAL_ONNX, SERVER_ERROR)  # rounds.jsonl: a resumed run's, whole
+LAST_WORDS = (SUMMARY, SERVER_ERROR)  # a run writes one of them last; the checkpoint is echoed before it
+_say_lock = threading.RLock()  # one echoed line at a time: rows come from the evaluator's thread too
 
 
 @dataclass(frozen=True)
 class RunFolder:
-    """Where the ServerApp writes a run; ``echo``: also say every write on stdout (see the module docstring)."""
+    """Where the ServerApp writes a run; ``echo``: also say its writes on stdout (see the module docstring)."""
 
     path: Path
     echo: bool = False
@@ -50,39 +63,116 @@ class RunFolder:
         self._say({"file": name, "row": row})
 
     def write(self, name: str, data: bytes) -> None:
-        """A whole file (summary, model, error), replaced atomically."""
+        """A whole file (summary, model, error), replaced atomically; the run's last word comes after the
+        checkpoint's echo."""
         tmp = self.path / (name + ".tmp")
         tmp.write_bytes(data)
         os.replace(tmp, self.path / name)
+        if self.echo and name in LAST_WORDS and (self.path / CHECKPOINT).exists():
+            self._say_file(CHECKPOINT, (self.path / CHECKPOINT).read_bytes())
+        self._say_file(name, data)
+
+    def resend(self, name: str) -> None:
+        """Echo the file as it is (a resumed run's rounds.jsonl, cut back to its checkpoint)."""
+        path = self.path / name
+        self._say_file(name, path.read_bytes() if path.exists() else b"")
+
+    def _say_file(self, name: str, data: bytes) -> None:
+        if not self.echo:
+            return
+        digest = hashlib.sha256(data).hexdigest()
         chunks = [data[i : i + ECHO_CHUNK] for i in range(0, len(data), ECHO_CHUNK)] or [b""]
         for part, chunk in enumerate(chunks):
-            self._say({"file": name, "part": part, "parts": len(chunks), "data": base64.b64encode(chunk).decode()})
+            encoded = base64.b64encode(chunk).decode()
+            self._say({"file": name, "part": part, "parts": len(chunks), "sha256": digest, "data": encoded})
 
     def _say(self, record: dict[str, Any]) -> None:
         if self.echo:
-            print(ECHO + json.dumps(record), flush=True)
+            with _say_lock:
+                sys.stdout.write(ECHO + json.dumps(record) + "\n")
+                sys.stdout.flush()
 
 
-def mirror(out: Path, text: str, parts: dict[str, list[bytes]]) -> list[str]:
-    """Write the files the ``ECHO`` lines in ``text`` describe into ``out``; ``parts`` holds the chunks of files
-    not complete yet, across calls. Returns the names of the files written or appended to."""
-    written = []
-    for line in text.splitlines():
-        if not line.startswith(ECHO):
-            continue
-        record = json.loads(line.removeprefix(ECHO))
-        name = Path(record["file"]).name  # a file of the run's folder, nothing else
+def remote_folder_name(run: str, run_id: int | str) -> str:
+    """The folder, under the server's ``runs/``, of the run ``run`` submitted from another machine as Flower's run
+    ``run_id``; a resumed run goes on in the folder of the run it resumes."""
+    return f"{run}-{run_id}"
+
+
+@dataclass
+class _Parts:
+    """The chunks of one echoed file that have come so far."""
+
+    parts: int
+    sha256: str
+    chunks: list[bytes] = field(default_factory=list)
+
+
+class Mirror:
+    """Rebuilds a remote run's folder on the submitter from the ``ECHO`` lines of its log stream, fed in the order
+    they came. A row is appended as it comes; a whole file is written (atomically) once all its chunks have come in
+    order and their SHA-256 is the one each names. An echo cut short or garbled is refused with its reason and not
+    written: the file keeps what it had."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._pending: dict[str, _Parts] = {}
+        self._broken: set[str] = set()  # files whose echo was refused: their parts until the next echo are dropped
+
+    def feed(self, text: str) -> list[str]:
+        """Mirror the ``ECHO`` lines of ``text``; returns the reasons of what was refused."""
+        refused: list[str] = []
+        for line in text.splitlines():
+            if line.startswith(ECHO):
+                try:
+                    self._take(json.loads(line.removeprefix(ECHO)), refused)
+                except (ValueError, TypeError, KeyError, AttributeError, binascii.Error) as exc:
+                    refused.append(f"a garbled echo line ({type(exc).__name__}: {exc})")
+        return refused
+
+    def close(self) -> list[str]:
+        """The stream ended: every file not complete is refused."""
+        refused = [self._cut(name) for name in self._pending]
+        self._pending.clear()
+        return refused
+
+    def _cut(self, name: str) -> str:
+        pending = self._pending[name]
+        return f"{name}: its echo ended after {len(pending.chunks)} of {pending.parts} parts; not written"
+
+    def _take(self, record: dict[str, Any], refused: list[str]) -> None:
+        name = record["file"]
+        if name not in (ECHOED_ROWS if "row" in record else ECHOED_FILES):
+            refused.append(f"{str(name)[:80]!r} is not a file an echo may write; not written")
+            return
         if "row" in record:
-            with open(out / name, "a") as f:
+            with open(self.out / name, "a") as f:
                 f.write(json.dumps(record["row"]) + "\n")
-        else:
-            chunks = parts.setdefault(name, [])
-            chunks.append(base64.b64decode(record["data"]))
-            if len(chunks) < record["parts"]:
-                continue
-            (out / name).write_bytes(b"".join(parts.pop(name)))
-        written.append(name)
-    return written
+            return
+        part, parts, digest = int(record["part"]), int(record["parts"]), str(record["sha256"])
+        chunk = base64.b64decode(record["data"], validate=True)
+        pending = self._pending.get(name)
+        if part == 0:
+            if pending is not None:  # a new echo of the file began before the last one ended
+                refused.append(self._cut(name))
+            self._pending[name] = pending = _Parts(parts, digest)
+            self._broken.discard(name)
+        elif pending is None or (pending.parts, pending.sha256, len(pending.chunks)) != (parts, digest, part):
+            self._pending.pop(name, None)
+            if name not in self._broken:
+                self._broken.add(name)
+                refused.append(f"{name}: part {part} of its echo came without the parts before it; not written")
+            return
+        pending.chunks.append(chunk)
+        if len(pending.chunks) < parts:
+            return
+        data = b"".join(self._pending.pop(name).chunks)
+        if hashlib.sha256(data).hexdigest() != digest:
+            refused.append(f"{name}: its echo does not match its SHA-256; not written")
+            return
+        tmp = self.out / (name + ".mirror.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.out / name)
 
 
 @dataclass(frozen=True)

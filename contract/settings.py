@@ -65,6 +65,7 @@ class RunConfig:
     server: str = ""  # remote: the SuperLink's HOST:PORT
     root_cert: str = ""  # remote: the CA certificate (PEM) that signed the SuperLink's certificate
     insecure: bool = False  # remote: plain-text connection to a SuperLink started with --insecure
+    submitter_cert: str = ""  # remote over TLS: this submitter's certificate (its key beside it), edgefl.gateway
     connect_timeout_s: float = 30.0  # remote: how long the SuperLink may stay unreachable before the run gives up
     ray_address: str = ""  # simulation: a Ray cluster to join (auto | HOST:PORT); "" starts Ray on this machine
     clock_step_s: float = 0.0  # simulation: the virtual clock's seconds per local step on one core; 0: measure here
@@ -248,8 +249,8 @@ def _check_federation(config: RunConfig) -> None:
     if not config.connect_timeout_s > 0:
         raise ConfigError(f"connect-timeout must be positive, got {config.connect_timeout_s:g}")
     if config.federation in ("local", "simulation"):
-        if config.server or config.root_cert or config.insecure:
-            raise ConfigError("--server, --root-cert and --insecure are for --federation remote")
+        if config.server or config.root_cert or config.insecure or config.submitter_cert:
+            raise ConfigError("--server, --root-cert, --submitter-cert and --insecure are for --federation remote")
         return
     if not config.server:
         raise ConfigError("--federation remote needs --server HOST:PORT")
@@ -258,6 +259,12 @@ def _check_federation(config: RunConfig) -> None:
         raise ConfigError("give --root-cert (TLS) or --insecure (plain text), not both")
     if not (config.root_cert or config.insecure):
         raise ConfigError("--federation remote needs --root-cert FILE (the server's CA certificate) or --insecure")
+    if config.root_cert and not config.submitter_cert:
+        raise ConfigError(
+            "a TLS server takes runs only from a submitter: give --submitter-cert FILE (edgefl certs --submitters N)"
+        )
+    if config.insecure and config.submitter_cert:
+        raise ConfigError("--submitter-cert needs TLS: give --root-cert instead of --insecure")
     if config.profile != "loopback":
         raise ConfigError("link profiles shape the local testbed; a remote federation runs over the real network")
     if config.device_profile != "laptop":

@@ -4,9 +4,10 @@ device's link; this layout is the smallest tree Flower allows — Message, Recor
 costs one round of parallel object requests each way, whatever the model or the number of updates it carries.
 
 Down: the header holds the job, the rounds to train and the broadcast's parts; the payload is the broadcast's
-parts concatenated. Up: the header holds the partition, one entry per update (round, codec wire type, size,
-examples, training time, loss), the device's health and transport, and how long the agent held the message;
-the payload is the updates' payloads concatenated. The sizes in a header must add up to its payload exactly."""
+parts concatenated. Up: the header holds the partition and its size, one entry per update (round, codec wire
+type, size, examples, training time, loss), the device's health and transport, and how long the agent held the
+message; the payload is the updates' payloads concatenated. The sizes in a header must add up to its payload
+exactly, and every field must be of its kind and in its range (the limits below), or the reply is refused."""
 
 from __future__ import annotations
 
@@ -19,15 +20,67 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
 from contract.messages import TrainInstruction, TrainReply
-from strategies.downlink import Broadcast, DownlinkError
+from strategies.downlink import Broadcast
 from strategies.rounds import Update
 
 RECORD = "edgefl"
 HEADER, PAYLOAD = "header", "payload"
 
+# What a message's fields may hold. A reply comes from a device the server cannot trust: each field must be a JSON
+# value of its kind in its range, or the whole reply is refused with the field, what it held and what it may be.
+INT32_MAX = 2**31 - 1
+MAX_ROUND = INT32_MAX  # a round number fits in int32: no run has more rounds
+MAX_PARTITION = INT32_MAX  # a partition index fits in int32: no split has more partitions
+MAX_EXAMPLES = INT32_MAX  # a partition's examples fit in int32 (the server checks them against the partition)
+MAX_SECONDS = 30 * 24 * 3600  # a round's training or a held message lasting 30 days is no measurement
+MAX_MAGNITUDE = 1e30  # |loss| or a health reading: far above any real one, and a sum of many stays finite
+MAX_UPDATES = 1024  # updates in one reply: far above the D + 1 ≤ 65 rounds an agent may have ready (DGA's D ≤ 64)
+MAX_NAME = 64  # characters of a wire type, a transport or a health item's name or text
+MAX_HEALTH_ITEMS = 16  # a device's health report is a handful of readings (edge.health.health_snapshot)
+
 
 class WireError(ValueError):
     """A message that is not edgefl's layout; ``str()`` is the one-line reason the receiver logs."""
+
+
+def _shown(value: Any) -> str:
+    """A value as a reason quotes it: its repr, cut short (a 400-digit number is not a log line)."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    """A JSON integer in [low, high]: not a bool, a float, a string or a number out of range."""
+    if type(value) is not int or not low <= value <= high:
+        raise WireError(f"{name} is {_shown(value)}, not an integer in [{low}, {high}]")
+    return value
+
+
+def _number(value: Any, name: str, low: float, high: float) -> float:
+    """A finite JSON number in [low, high] (an integer too); not a bool, a string, NaN or ±Infinity."""
+    if type(value) not in (int, float) or not low <= value <= high:  # NaN fails the comparison
+        raise WireError(f"{name} is {_shown(value)}, not a number in [{low:g}, {high:g}]")
+    return float(value)  # in range, so an integer converts without overflow
+
+
+def _name(value: Any, name: str) -> str:
+    """A JSON string of 1 to MAX_NAME characters."""
+    if type(value) is not str or not 0 < len(value) <= MAX_NAME:
+        raise WireError(f"{name} is {_shown(value)}, not a name of 1 to {MAX_NAME} characters")
+    return value
+
+
+def _health(value: Any) -> dict[str, Any]:
+    """A device's health report: a few named readings, each a finite number, a short text, true/false or null."""
+    if type(value) is not dict or len(value) > MAX_HEALTH_ITEMS:
+        raise WireError(f"health is {_shown(value)}, not an object of at most {MAX_HEALTH_ITEMS} readings")
+    for key, reading in value.items():
+        _name(key, "a health reading's name")
+        if type(reading) in (int, float):
+            _number(reading, f"health reading {key!r}", -MAX_MAGNITUDE, MAX_MAGNITUDE)
+        elif reading is not None and type(reading) is not bool:
+            _name(reading, f"health reading {key!r}")
+    return value
 
 
 def _content(header: dict[str, Any], payload: bytes) -> RecordDict:
@@ -38,7 +91,7 @@ def _header_and_payload(content: RecordDict) -> tuple[dict[str, Any], bytes]:
     try:
         record = content.config_records[RECORD]
         header, payload = json.loads(str(record[HEADER])), record[PAYLOAD]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         raise WireError(f"not an edgefl message ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict) or not isinstance(payload, bytes):
         raise WireError("the edgefl record's header is not an object or its payload is not bytes")
@@ -46,7 +99,8 @@ def _header_and_payload(content: RecordDict) -> tuple[dict[str, Any], bytes]:
 
 
 def instruction_content(instr: TrainInstruction) -> RecordDict:
-    header: dict[str, Any] = {"job": instr.job, "next-round": instr.next_round, "last-round": instr.last_round}
+    header: dict[str, Any] = {"job": instr.job, "next-round": instr.next_round, "last-round": instr.last_round,
+                              "reply-key": instr.reply_key}  # fmt: skip
     payload = b""
     if instr.broadcast is not None:
         header["broadcast"], payload = instr.broadcast.header(), instr.broadcast.blob()
@@ -60,14 +114,20 @@ def parse_instruction(content: RecordDict) -> TrainInstruction:
         broadcast = Broadcast.parse(header["broadcast"], payload) if "broadcast" in header else None
         if broadcast is None and payload:
             raise WireError(f"{len(payload)} payload bytes without a broadcast")
-        return TrainInstruction(str(header["job"]), int(header["next-round"]), int(header["last-round"]), broadcast)
-    except (KeyError, TypeError, ValueError, DownlinkError) as exc:
+        if type(header["job"]) is not str:
+            raise WireError(f"job is {_shown(header['job'])}, not a text")
+        next_round = _integer(header["next-round"], "next-round", 0, MAX_ROUND)
+        last_round = _integer(header["last-round"], "last-round", 0, MAX_ROUND)
+        reply_key = _name(header["reply-key"], "reply-key")
+        return TrainInstruction(header["job"], next_round, last_round, broadcast, reply_key)
+    except (KeyError, ValueError) as exc:  # WireError and DownlinkError are ValueErrors
         raise WireError(f"malformed instruction: {exc}") from None
 
 
 def reply_content(reply: TrainReply) -> RecordDict:
     header = {
         "partition-id": reply.partition_id,
+        "partition-size": reply.partition_size,
         "updates": [
             {
                 "round": u.round,
@@ -82,35 +142,60 @@ def reply_content(reply: TrainReply) -> RecordDict:
         "health": reply.health,
         "transport": reply.transport,
         "held-s": reply.held_s,
+        "reply-key": reply.reply_key,
     }
     return _content(header, b"".join(u.payload for u in reply.updates))
 
 
 def parse_reply(content: RecordDict) -> TrainReply:
-    """Raises WireError on anything malformed; the server then refuses the whole reply."""
+    """Raises WireError on anything malformed (a field missing, of another kind or out of its range; sizes that
+    do not add up to the payload); the server then refuses the whole reply with its reason."""
     header, payload = _header_and_payload(content)
     try:
+        entries = header["updates"]
+        if type(entries) is not list or len(entries) > MAX_UPDATES:
+            raise WireError(f"updates is {_shown(entries)}, not a list of at most {MAX_UPDATES} updates")
         updates, offset = [], 0
-        for entry in header["updates"]:
-            size = int(entry["size"])
-            if size < 0 or offset + size > len(payload):
-                raise WireError("update sizes do not add up to the payload")
-            loss = entry["loss"]
-            updates.append(Update(int(entry["round"]), str(entry["stype"]), payload[offset : offset + size],
-                                  int(entry["num-examples"]), float(entry["train-s"]),
-                                  math.nan if loss is None else float(loss)))  # fmt: skip
-            offset += size
+        for index, entry in enumerate(entries):
+            update = _update(entry, payload, offset, f"update {index}: ")
+            updates.append(update)
+            offset += len(update.payload)
         if offset != len(payload):
-            raise WireError("update sizes do not add up to the payload")
-        health = header["health"]
-        if not isinstance(health, dict):
-            raise WireError("health is not an object")
-        held_s = float(header["held-s"])
-        if not 0 <= held_s < math.inf:
-            raise WireError(f"held-s is {held_s}, not a duration")
-        return TrainReply(int(header["partition-id"]), tuple(updates), health, str(header["transport"]), held_s)
-    except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"update sizes add up to {offset} bytes, the payload has {len(payload)}")
+        return TrainReply(
+            _integer(header["partition-id"], "partition-id", 0, MAX_PARTITION),
+            tuple(updates),
+            _health(header["health"]),
+            _name(header["transport"], "transport"),
+            _number(header["held-s"], "held-s", 0, MAX_SECONDS),
+            _integer(header["partition-size"], "partition-size", 0, MAX_EXAMPLES),
+            _name(header["reply-key"], "reply-key"),
+        )
+    except KeyError as exc:
+        raise WireError(f"malformed reply: no field {exc}") from None
+    except WireError as exc:
         raise WireError(f"malformed reply: {exc}") from None
+
+
+def _update(entry: Any, payload: bytes, offset: int, where: str) -> Update:
+    """The update an entry of a reply's header describes, its payload the ``size`` bytes at ``offset``."""
+    if type(entry) is not dict:
+        raise WireError(f"{where}{_shown(entry)} is not an object")
+    size = _integer(entry["size"], f"{where}size", 0, len(payload) - offset)
+    loss = entry["loss"]
+    return Update(
+        _integer(entry["round"], f"{where}round", 1, MAX_ROUND),
+        _name(entry["stype"], f"{where}stype"),
+        payload[offset : offset + size],
+        _integer(entry["num-examples"], f"{where}num-examples", 1, MAX_EXAMPLES),
+        _number(entry["train-s"], f"{where}train-s", 0, MAX_SECONDS),
+        math.nan if loss is None else _number(loss, f"{where}loss", -MAX_MAGNITUDE, MAX_MAGNITUDE),
+    )
+
+
+def reply_key(message: Message) -> str:
+    """The reply key of an instruction message the server built (``train_message``), read from its header only."""
+    return _header_and_payload(message.content)[0]["reply-key"]
 
 
 def train_message(instr: TrainInstruction, node: int) -> Message:

@@ -19,6 +19,7 @@ import copy
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ from strategies.downlink import BroadcastDecoder
 from strategies.rounds import Update
 
 log = logging.getLogger("edgefl.agent")
+
+ENDED_RUNS_KEPT = 64  # ids of runs whose session was replaced, so that a late message of one is refused
 
 
 class AgentError(RuntimeError):
@@ -146,7 +149,7 @@ def check_partition(job: ClientJob, partition_id: int, num_partitions: int) -> N
 
 
 class EdgeAgent:
-    """The device's sessions (one per run) and the one thread that trains them (``trainer_tid``: an emulated
+    """The device's session (one run's at a time) and the one thread that trains it (``trainer_tid``: an emulated
     device runs it on a core of its own, ``edge.devices.DeviceCaps``). ``data_dir`` is this device's data folder
     (it wins over the run's); ``transport`` is how its SuperNode moves messages, told to the server."""
 
@@ -156,11 +159,13 @@ class EdgeAgent:
         self._cond = threading.Condition()
         self._building = threading.Lock()  # one session built at a time
         self._session: Session | None = None
+        self._run_id: int | None = None  # Flower's id of the session's run; None: built ahead of its run (--job)
         self._job_text = ""
+        self._ended: deque[int] = deque(maxlen=ENDED_RUNS_KEPT)
         self._stop = False
-        trainer = threading.Thread(target=self._train_forever, daemon=True, name="trainer")
-        trainer.start()
-        self.trainer_tid: int = trainer.native_id or 0
+        self._trainer = threading.Thread(target=self._train_forever, daemon=True, name="trainer")
+        self._trainer.start()
+        self.trainer_tid: int = self._trainer.native_id or 0
 
     # ----- the trainer thread -------------------------------------------------------------------------
     def _train_forever(self) -> None:
@@ -188,30 +193,51 @@ class EdgeAgent:
                 self._cond.notify_all()
 
     # ----- messages -----------------------------------------------------------------------------------
-    def session_for(self, job_text: str, partition_id: int, num_partitions: int) -> Session:
-        """The session of this run, built (data loaded, model made: seconds, once per run) on its first message;
-        the job is parsed only then. Messages served side by side wait for the one that builds it."""
+    def session_for(self, job_text: str, partition_id: int, num_partitions: int, run_id: int | None) -> Session:
+        """The session of the run ``run_id`` (Flower's run id: a new run, and a resumed one, gets a fresh session
+        even when its job is the same), built (data loaded, model made: seconds, once per run) on its first message;
+        the job is parsed only then. Messages served side by side wait for the one that builds it. ``run_id`` None:
+        the coming run's session, built before its first message (``--job``); the first run of that job takes it.
+        One session is kept: a new run's replaces the previous run's, whose held messages are answered with an
+        error, and a late message of an ended run is refused rather than training it again."""
         with self._building:
             current = self._session
-            if current and self._job_text == job_text and current.partition_id == partition_id:
-                return current
+            if current and current.partition_id == partition_id:
+                if run_id is not None and run_id == self._run_id:
+                    return current
+                if self._run_id is None and job_text == self._job_text:  # built ahead of its run: this run's
+                    self._run_id = run_id
+                    return current
+            if run_id in self._ended:
+                reason = f"run {run_id} has ended on this device, which trains run {self._run_id} now"
+                log.warning("refused: %s", reason)
+                raise AgentError(reason)
             job = ClientJob.from_json(job_text)
             check_partition(job, partition_id, num_partitions)
+            with self._cond:  # dropped before the new one is built: a device holds one run's data and model
+                if current:  # its held messages are answered at once
+                    current.error = current.error or f"this device now trains run {run_id}, partition {partition_id}"
+                if self._run_id not in (None, run_id):
+                    self._ended.append(self._run_id)
+                self._session, self._run_id, self._job_text = None, None, ""
+                self._cond.notify_all()
+            del current
             session = Session(job, partition_id, num_partitions, self.data_dir)
             with self._cond:
-                self._session, self._job_text = session, job_text
+                self._session, self._run_id, self._job_text = session, run_id, job_text
                 self._cond.notify_all()
-        log.info("new session: %s partition %d (%d examples)", job.dataset, partition_id, session.num_examples)
+        examples = session.num_examples
+        log.info("new session: run %s, %s partition %d (%d examples)", run_id, job.dataset, partition_id, examples)
         return session
 
-    def train(self, instr: TrainInstruction, partition_id: int, num_partitions: int) -> TrainReply:
-        """Take the global model the message brings (if any), hold the message until a reply is due, and give
-        every update ready; raises AgentError when training failed or the run does not fit this device. Several
-        messages may be held at once (``fl_client.tasks``): the first to wake takes what is ready."""
+    def train(self, instr: TrainInstruction, partition_id: int, num_partitions: int, run_id: int) -> TrainReply:
+        """Take the global model a message of the run ``run_id`` brings (if any), hold the message until a reply is
+        due, and give every update ready; raises AgentError when training failed or the run does not fit this
+        device. Several messages may be held at once (``fl_client.tasks``): the first to wake takes what is ready."""
         taken = time.monotonic()
-        session = self.session_for(instr.job, partition_id, num_partitions)
+        session = self.session_for(instr.job, partition_id, num_partitions, run_id)
         if not instr.asks_for_rounds:
-            return TrainReply(session.partition_id, (), health_snapshot(), self.transport)
+            return TrainReply(session.partition_id, (), health_snapshot(), self.transport, 0.0, session.num_examples)
         with self._cond:
             session.take_instruction(instr)
             self._cond.notify_all()
@@ -223,11 +249,12 @@ class EdgeAgent:
                 "reply: rounds %s, next round %d, global model of round %d, held %.2f s",
                 [u.round for u in ready], session.next_round, session.dga.global_round, time.monotonic() - taken,
             )  # fmt: skip
-        return TrainReply(
-            session.partition_id, tuple(ready), health_snapshot(), self.transport, time.monotonic() - taken
-        )
+        return TrainReply(session.partition_id, tuple(ready), health_snapshot(), self.transport,
+                          time.monotonic() - taken, session.num_examples)  # fmt: skip
 
     def stop(self) -> None:
+        """Answer held messages with an error and return once the trainer thread has finished its round."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._trainer.join()

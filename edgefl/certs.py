@@ -6,7 +6,9 @@ authentication keys in the OpenSSH EC format Flower's ``--auth-supernode-private
     edgefl certs --out certs --host 192.168.1.10 --host server.lan --node-keys 4
 
 writes ``ca.pem`` (give it to every device), ``server.pem`` + ``server.key`` (stay on the server) and
-``node-0.key`` + ``node-0.pub`` ... (a private key per device; the server registers the ``.pub`` files)."""
+``node-0.key`` + ``node-0.pub`` ... (a private key per device; the server registers the ``.pub`` files) and,
+with ``--submitters N``, ``submitter-0.pem`` + ``submitter-0.key`` ... (client certificates the server's gateway
+asks of whoever submits runs, ``edgefl.gateway``)."""
 
 from __future__ import annotations
 
@@ -130,6 +132,37 @@ def make_server_certs(out: Path, hosts: list[str]) -> ServerCerts:
     _write_private(out / CA_KEY, _pem_key(ca_key))
     certs.cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
     _write_private(certs.key, _pem_key(server_key))
+    return certs
+
+
+def make_submitter_certs(out: Path, count: int) -> list[Path]:
+    """``count`` client certificates ``submitter-I.pem`` (+ ``.key``) signed by the CA in ``out``, for TLS client
+    authentication only (the server's own certificate is for server use only, so it is not one)."""
+    if count < 1:
+        raise CertError(f"--submitters must be at least 1, got {count}")
+    try:
+        ca_key = serialization.load_pem_private_key((out / CA_KEY).read_bytes(), password=None)
+        ca_cert = x509.load_pem_x509_certificate((out / CA_CERT).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CertError(f"no usable CA in {out} ({exc}): make one with edgefl certs --out {out}") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise CertError(f"{out / CA_KEY} is not the elliptic-curve key edgefl certs makes")
+    ca_name = ca_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    certs = []
+    for i in range(count):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            _certificate(f"edgefl submitter {i}", key.public_key(), str(ca_name), ca_key)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_key_usage(digital_signature=True), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        path = out / f"submitter-{i}.pem"
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_private(path.with_suffix(".key"), _pem_key(key))
+        certs.append(path)
     return certs
 
 

@@ -3,10 +3,10 @@
     edgefl run [--config FILE] [--strategy fedavg|dga:D|flower-fedavg] [--dataset ...] ...
     edgefl report runs/A runs/B ... [--out DIR]
     edgefl netem apply|show|clear|verify ...
-    edgefl certs --out DIR [--host NAME_OR_IP ...] [--node-keys N]
+    edgefl certs --out DIR [--host NAME_OR_IP ...] [--node-keys N] [--submitters N]
     edgefl server --listen HOST:PORT (--certs DIR | --insecure) [--auth-keys node-*.pub]
     edgefl client --server HOST:PORT --partition-id I --num-partitions N (--root-cert FILE | --insecure) ...
-    edgefl run|compare --federation remote --server HOST:PORT (--root-cert FILE | --insecure) ...
+    edgefl run|compare --federation remote --server HOST:PORT (--root-cert FILE --submitter-cert FILE | --insecure)
 
 A user error prints one line (``edgefl: error: ...``) and exits 2; Ctrl-C stops everything and exits 130."""
 
@@ -77,7 +77,10 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
                    "core (default: measured on this host when the run starts)")  # fmt: skip
     p.add_argument("--server", help="remote: the SuperLink's HOST:PORT")
     p.add_argument("--root-cert", help="remote: the server's CA certificate (ca.pem from edgefl certs)")
-    p.add_argument("--insecure", action="store_true", default=None, help="remote: plain text to a --insecure server")
+    p.add_argument("--submitter-cert", help="remote over TLS: your submitter certificate (submitter-I.pem from "
+                   "edgefl certs --submitters N; its .key beside it)")  # fmt: skip
+    p.add_argument("--insecure", action="store_true", default=None, help="remote: plain text to a --insecure server, "
+                   "on the server machine")  # fmt: skip
     p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, metavar="S",
                    help="remote: seconds to wait for an unreachable server (default 30)")  # fmt: skip
     p.add_argument("--aggregate", help="mean (default) | median | trimmed-mean:BETA | krum:F (robust aggregation)")
@@ -121,6 +124,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
         "server",
         "root_cert",
         "insecure",
+        "submitter_cert",
         "connect_timeout_s",
         "ray_address",
         "clock_step_s",

@@ -24,10 +24,22 @@ from pathlib import Path
 
 import tomli_w
 
-from contract.run_folder import CHECKPOINT, GLOBAL_ONNX, MESSAGES, ROUNDS, SERVER_ERROR, SUMMARY, mirror, read_rounds
+from contract.run_folder import (
+    CHECKPOINT,
+    GLOBAL_ONNX,
+    MESSAGES,
+    REMOTE_RUN,
+    ROUNDS,
+    SERVER_ERROR,
+    SUMMARY,
+    Mirror,
+    read_rounds,
+    remote_folder_name,
+)
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
 from edge.devices import DEVICE_PROFILES, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_server_certs
+from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail, tail_from
 from netem.fleet import devices_for, links_for
 from netem.testbed import Testbed
@@ -38,6 +50,7 @@ SUBMIT_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 30.0  # how long a remote SuperLink may stay unreachable before a command gives up
 CLIENT_PROCESSES = ("agent-", "supernode-")  # ProcessGroup names of a client's processes
 RUN_LOG = "run-log"  # a remote run's streamed ServerApp log (flwr log --stream)
+LAST_WORD_WAIT_S = 30.0  # how long a stopped remote run's checkpoint and error may take to come back
 LAPTOP = DEVICE_PROFILES["laptop"]  # no cap
 RUNTIME_HOST = "127.0.0.1"  # a SuperNode's Runtime API, where its agent claims tasks: the device's loopback only
 JOINED = "SuperNode ID:"  # flower-supernode logs this once the SuperLink has accepted the node
@@ -74,17 +87,20 @@ def placement_for(config: RunConfig) -> Iterator[Placement]:
 
 
 def prepare_run_dir(config: RunConfig, resume: bool = False) -> Path:
-    """A fresh run starts from an empty folder; a resumed one needs its checkpoint (the server continues from it)."""
+    """A fresh run starts from an empty folder; a resumed one needs its checkpoint (the server continues from it;
+    a remote server from its own copy, in the folder ``REMOTE_RUN`` names)."""
     run_dir = Path(config.out).resolve()
     if resume:
         if not (run_dir / CHECKPOINT).exists():
             raise LaunchError(f"nothing to resume: {run_dir} has no {CHECKPOINT} (no round was finished)")
         if (run_dir / SUMMARY).exists():
             raise LaunchError(f"nothing to resume: the run in {run_dir} has finished")
+        if config.federation == "remote" and not (run_dir / REMOTE_RUN).exists():
+            raise LaunchError(f"nothing to resume: {run_dir} does not name the server's folder of the run")
         (run_dir / SERVER_ERROR).unlink(missing_ok=True)
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in (ROUNDS, MESSAGES, SUMMARY, SERVER_ERROR, CHECKPOINT, GLOBAL_ONNX):
+    for name in (ROUNDS, MESSAGES, SUMMARY, SERVER_ERROR, CHECKPOINT, GLOBAL_ONNX, REMOTE_RUN):
         (run_dir / name).unlink(missing_ok=True)
     return run_dir
 
@@ -130,14 +146,16 @@ def supernode_argv(
     """A SuperNode for the SuperLink at ``address``, verifying its certificate with ``root_cert`` (plain text
     without), authenticated with the private key ``auth_key`` if given. With ``serve`` it is edgefl's tuned
     SuperNode whose tasks an edge agent serves (``--isolation process``); without, Flower's stock one, which starts
-    a ClientApp process per message. It retries a lost SuperLink without limit (no --max-retries)."""
+    a ClientApp process per message. It retries a lost SuperLink without limit (no --max-retries). edgefl's ends
+    when this process does (``--parent-pid``; Flower's, started by a ProcessGroup, is signalled by the kernel)."""
     tls = ["--root-certificates", str(root_cert)] if root_cert else ["--insecure"]
     auth = ["--auth-supernode-private-key", str(auth_key)] if auth_key else []
     if serve is None:
         runtime = ["flower-supernode", "--port", str(free_port())]
     else:
-        runtime = [sys.executable, "-m", "fl_client.supernode", "--isolation", "process", "--host", RUNTIME_HOST,
-                   "--port", str(serve.port), "--superexec-auth-secret-file", str(serve.secret_file)]  # fmt: skip
+        runtime = [sys.executable, "-m", "fl_client.supernode", "--parent-pid", str(os.getpid()),
+                   "--isolation", "process", "--host", RUNTIME_HOST, "--port", str(serve.port),
+                   "--superexec-auth-secret-file", str(serve.secret_file)]  # fmt: skip
     return [*runtime, *tls, *auth, "--superlink", address, "--node-config", node_config]
 
 
@@ -162,9 +180,10 @@ class NodeRuntime:
         return cls(free_port(RUNTIME_HOST), secret_file, ready_file, held_dir)
 
     def agent_argv(self, *extra: str) -> list[str]:
+        """The agent's command line; it ends when this process does (``--parent-pid``)."""
         return [sys.executable, "-m", "fl_client.node", "--runtime-api", f"{RUNTIME_HOST}:{self.port}",
                 "--secret-file", str(self.secret_file), "--ready-file", str(self.ready_file),
-                "--held-tasks", str(self.held_dir), *extra]  # fmt: skip
+                "--held-tasks", str(self.held_dir), "--parent-pid", str(os.getpid()), *extra]  # fmt: skip
 
 
 def start_superlink(procs: ProcessGroup, argv: list[str]) -> None:
@@ -239,9 +258,10 @@ def run_flwr(args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ())
     return result
 
 
-def app_project(app: str, config: RunConfig, run_dir: Path | None) -> dict:
+def app_project(app: str, config: RunConfig, run_dir: Path | None, resume_folder: str = "") -> dict:
     """The pyproject of the app ``flwr run`` packages: the components of ``app`` (a key of APPS) and, as its run
-    config, the run's settings and the folder to write (None: the server picks one and echoes it back)."""
+    config, the run's settings and the folder to write (None: the server picks one and echoes it back; or goes on
+    in ``resume_folder``, its folder of the run resumed)."""
     serverapp, clientapp = APPS[app]
     return {
         "build-system": {"requires": ["setuptools>=68"], "build-backend": "setuptools.build_meta"},
@@ -250,7 +270,7 @@ def app_project(app: str, config: RunConfig, run_dir: Path | None) -> dict:
         "tool": {"flwr": {"app": {
             "publisher": "edgefl",
             "components": {"serverapp": serverapp, "clientapp": clientapp},
-            "config": {"run-dir": str(run_dir or ""), **config.to_run_config()},
+            "config": {"run-dir": str(run_dir or ""), "resume-folder": resume_folder, **config.to_run_config()},
         }}},
     }  # fmt: skip
 
@@ -265,13 +285,21 @@ def submit(
     shared: bool = True,
 ) -> str:
     """``flwr run`` of ``config`` on the SuperLink at ``address``; ``shared``: the server writes ``run_dir``
-    itself (same machine). Returns Flower's run id."""
+    itself (same machine), else it names its own folder of the run in ``run_dir``'s REMOTE_RUN — and a run whose
+    folder holds a checkpoint is a resumed one (``prepare_run_dir`` leaves one only then). Returns Flower's run
+    id."""
     app_dir = run_dir / ".app"
     app_dir.mkdir(exist_ok=True)
-    project = app_project(app_for(config), config, run_dir if shared else None)
+    remote_run = run_dir / REMOTE_RUN
+    resumed = not shared and (run_dir / CHECKPOINT).exists() and remote_run.exists()
+    resume_folder = remote_run.read_text().strip() if resumed else ""
+    project = app_project(app_for(config), config, run_dir if shared else None, resume_folder)
     (app_dir / "pyproject.toml").write_text(tomli_w.dumps(project))
     write_flwr_home(Path(env["FLWR_HOME"]), address, root_cert)
-    return str(run_flwr(["run", str(app_dir), FEDERATION], env, prefix)["run-id"])
+    run_id = str(run_flwr(["run", str(app_dir), FEDERATION], env, prefix)["run-id"])
+    if not shared and not resumed:
+        remote_run.write_text(remote_folder_name(config.name, run_id) + "\n")
+    return run_id
 
 
 def device_caps(
@@ -325,12 +353,17 @@ class LocalFederation:
         """Start every process; returns the SuperLink address. Agents load their data while the SuperLink and the
         SuperNodes start and the run is submitted (an agent serves its SuperNode once it is ready)."""
         port = self.superlink_port()
-        address = self.address = f"{self.place.server_host}:{port}"
+        address = f"{self.place.server_host}:{port}"
         self.runtimes = self._start_agents() if self.app == "edgefl" else [None] * self.config.clients
-        if self.place.backend != "loopback":
+        if self.place.backend == "loopback":
+            self.address = address
+            start_superlink(self.procs, superlink_argv("127.0.0.1", port, None))
+        else:  # devices in other namespaces reach the SuperLink as over a network: through the gateway, with TLS
             self.certs = make_server_certs(self.run_dir / ".certs", [self.place.server_host])
-        superlink = superlink_argv(self.place.server_host, port, self.certs)
-        start_superlink(self.procs, [*self.place.server_prefix, *superlink])
+            local_port = free_port()
+            self.address = f"127.0.0.1:{local_port}"  # the server's own loopback, where runs are submitted
+            start_superlink(self.procs, [*self.place.server_prefix, *superlink_argv("127.0.0.1", local_port, None)])
+            Gateway(self.place.server_host, port, local_port, self.certs).start(self.procs, self.place.server_prefix)
         for i, (prefix, runtime) in enumerate(zip(self.place.client_prefixes, self.runtimes, strict=True)):
             node_config = f"partition-id={i} num-partitions={self.config.clients}"
             supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config, serve=runtime)
@@ -370,18 +403,23 @@ class LocalFederation:
         return runtimes
 
     def submit(self, config: RunConfig, run_dir: Path) -> str:
-        """``flwr run`` of ``config`` against our SuperLink (from the server's namespace); returns Flower's run id."""
-        root_cert = self.certs.ca if self.certs else None
-        return submit(config, run_dir, self.address, root_cert, self.procs.env, self.place.server_prefix)
+        """``flwr run`` of ``config`` against our SuperLink (from the server's namespace, on its loopback); returns
+        Flower's run id."""
+        return submit(config, run_dir, self.address, None, self.procs.env, self.place.server_prefix)
 
 
 def submit_remote(config: RunConfig, run_dir: Path, procs: ProcessGroup) -> tuple[str, Path]:
-    """Submit ``config`` to the running SuperLink at ``config.server`` once it is reachable with the configured TLS
+    """Submit ``config`` to the running server at ``config.server`` once it is reachable with the configured TLS
     (its ServerApp waits for ``config.clients`` SuperNodes to join) and stream the run's log here: returns
-    Flower's run id and the log file, whose echoed results ``follow`` mirrors into ``run_dir``."""
+    Flower's run id and the log file, whose echoed results ``follow`` mirrors into ``run_dir``. Over TLS both go
+    through a tunnel that presents the submitter's certificate to the server's gateway (``edgefl.gateway``)."""
     root_cert = Path(config.root_cert).resolve() if config.root_cert else None
     reach_superlink(config.server, root_cert, config.connect_timeout_s)
-    run_id = submit(config, run_dir, config.server, root_cert, procs.env, shared=False)
+    address = config.server
+    if root_cert:
+        submitter = Submitter.from_cert(Path(config.submitter_cert))
+        address = open_submit_tunnel(procs, config.server, root_cert, submitter)
+    run_id = submit(config, run_dir, address, None, procs.env, shared=False)
     procs.start(RUN_LOG, ["flwr", "log", run_id, FEDERATION, "--stream"])
     return run_id, procs.log_dir / f"{RUN_LOG}.log"
 
@@ -408,21 +446,58 @@ def _check_server_alive(procs: ProcessGroup, run_dir: Path) -> None:
             raise LaunchError(f"{name} exited with code {proc.returncode}; see {procs.log_dir / name}.log")
 
 
+class EchoStream:
+    """A remote run's streamed log (``procs``'s process RUN_LOG, writing ``log``), mirrored into ``run_dir`` as it
+    grows (``contract.run_folder.Mirror``); what the mirror refuses is said with ``progress``."""
+
+    def __init__(self, log: Path, run_dir: Path, procs: ProcessGroup, progress: Callable[[str], None]) -> None:
+        self.log = log
+        self.run_dir = run_dir
+        self.stream = dict(procs.procs)[RUN_LOG]
+        self.progress = progress
+        self.mirror = Mirror(run_dir)
+        self.offset = 0
+
+    def pull(self) -> bool:
+        """Mirror what the log gained; returns whether the stream has ended (and all it said is mirrored)."""
+        ended = self.stream.poll() is not None
+        text = tail_from(self.log, self.offset)
+        self.offset += len(text.encode())
+        for reason in self.mirror.feed(text) + (self.mirror.close() if ended else []):
+            self.progress(f"not mirrored: {reason}")
+        return ended
+
+    def await_last_word(self, timeout_s: float = LAST_WORD_WAIT_S) -> None:
+        """After a stop: mirror until the run's last word (its error or summary, the checkpoint before it) has come,
+        the stream has ended, or ``timeout_s`` has passed."""
+        deadline = time.monotonic() + timeout_s
+        said = False
+        while not self.pull() and not any((self.run_dir / name).exists() for name in (SUMMARY, SERVER_ERROR)):
+            if not said:
+                self.progress(f"waiting up to {timeout_s:.0f} s for the stopped run's checkpoint")
+                said = True
+            if time.monotonic() > deadline:
+                self.progress(f"the stopped run's checkpoint did not come within {timeout_s:.0f} s; see {self.log}")
+                return
+            time.sleep(0.2)
+
+
 def follow(
-    config: RunConfig, run_dir: Path, procs: ProcessGroup, progress: Callable[[str], None], echo: Path | None = None
+    config: RunConfig,
+    run_dir: Path,
+    procs: ProcessGroup,
+    progress: Callable[[str], None],
+    echo: EchoStream | None = None,
 ) -> None:
     """Stream rounds.jsonl until summary.json appears; fail on a server error, a dead SuperLink or a stall. With
     ``echo`` (a remote run's streamed log), the run's files are first mirrored from it into ``run_dir``."""
     stall_s = max(600.0, 3 * config.round_deadline_s)
-    shown, last_change, offset, parts = 0, time.monotonic(), 0, {}
+    shown, last_change = 0, time.monotonic()
     while not (run_dir / SUMMARY).exists():
         if echo is not None:
-            ended = dict(procs.procs)[RUN_LOG].poll() is not None
-            text = tail_from(echo, offset)
-            offset += len(text.encode())
-            mirror(run_dir, text, parts)
+            ended = echo.pull()
             if ended and not (run_dir / SUMMARY).exists() and not (run_dir / SERVER_ERROR).exists():
-                raise LaunchError(f"the run's log stream ended before its results; see {echo}")
+                raise LaunchError(f"the run's log stream ended before its results; see {echo.log}")
         if (run_dir / SERVER_ERROR).exists():
             raise LaunchError(f"the server failed: {(run_dir / SERVER_ERROR).read_text().strip()}")
         rows = read_rounds(run_dir)
@@ -506,10 +581,12 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
                 f"run {run_id}: {config.strategy} on {config.dataset} ({config.partition}), "
                 f"{config.clients} clients, the SuperLink at {config.server}"
             )
+            stream = EchoStream(echo, run_dir, procs, progress)
             try:
-                follow(config, run_dir, procs, progress, echo)
-            except BaseException:  # that SuperLink outlives us: end the run there too
+                follow(config, run_dir, procs, progress, stream)
+            except BaseException:  # that SuperLink outlives us: end the run there too, and keep its checkpoint
                 with contextlib.suppress(LaunchError):
                     run_flwr(["stop", run_id, FEDERATION], procs.env)
+                stream.await_last_word()
                 raise
     return run_dir

@@ -1,21 +1,28 @@
 """Starting and stopping the processes of a run. Stopping takes each started process together with every
 process it forked (Flower's SuperExec starts the ServerApp, in a session of its own), found by PID through /proc
 (Linux) before any signal is sent: SIGTERM, a grace period, then SIGKILL — and SIGKILL to each started
-process's group, for a child forked after the tree was read (e.g. an agent's partition worker)."""
+process's group, for a child forked after the tree was read (e.g. an agent's partition worker).
+
+A process started from the main thread is also sent SIGTERM by the kernel when this one ends, however it ends
+(``fl_client.parent``): a launcher killed with SIGKILL leaves nothing running. Each stops what it started in turn
+(the SuperLink its SuperExec, which its ServerApp; Flower's ``--parent-pid``)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from contract.errors import EdgeflError
+from fl_client.parent import signal_on_parent_death
 
 GRACE_S = 5.0
 
@@ -101,6 +108,14 @@ def _signal_all(tree: dict[int, int], sig: signal.Signals) -> None:
                 os.kill(pid, sig)
 
 
+def _ends_with_this_process() -> Callable[[], None] | None:
+    """A child's set-up that has the kernel send it SIGTERM when this process ends; only when forked from the main
+    thread (the kernel's signal follows the forking thread: another thread's end would stop the child early)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return functools.partial(signal_on_parent_death, os.getpid())
+
+
 class ProcessGroup:
     """The processes of one run; ``stop()`` (or leaving the ``with``) ends every one of them."""
 
@@ -126,6 +141,7 @@ class ProcessGroup:
                     stdin=subprocess.DEVNULL,
                     env=self.env,
                     start_new_session=True,
+                    preexec_fn=_ends_with_this_process(),
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start {name} ({argv[0]}): {exc.strerror}") from None

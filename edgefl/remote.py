@@ -2,7 +2,7 @@
 SuperLink on the server machine, ``edgefl client`` joins from each device (edge agent + Flower's SuperNode),
 and ``edgefl run --federation remote`` submits runs to that SuperLink.
 
-    edgefl certs --out certs --host 192.168.1.10 --node-keys 4
+    edgefl certs --out certs --host 192.168.1.10 --node-keys 4 --submitters 1
     edgefl server --listen 0.0.0.0:9092 --certs certs --auth-keys certs/node-*.pub
     edgefl client --server 192.168.1.10:9092 --root-cert ca.pem --partition-id 0 --num-partitions 4 \\
         --auth-key node-0.key
@@ -33,7 +33,9 @@ from edgefl.certs import (
     check_node_public_key,
     make_node_keys,
     make_server_certs,
+    make_submitter_certs,
 )
+from edgefl.gateway import Gateway
 from edgefl.launcher import (
     CONNECT_TIMEOUT_S,
     FEDERATION,
@@ -48,7 +50,7 @@ from edgefl.launcher import (
     supernode_argv,
     write_flwr_home,
 )
-from edgefl.processes import LaunchError, ProcessGroup, port_in_use, tail_from
+from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail_from
 
 POLL_S = 0.5
 RESTART_DELAY_S = 3.0
@@ -72,21 +74,31 @@ def _advertised_host(listen_host: str, certs: ServerCerts | None) -> str:
     return names[0] if names else socket.gethostname()
 
 
-def join_instructions(listen: str, certs: ServerCerts | None, auth_keys: list[Path]) -> list[str]:
-    """What ``edgefl server`` prints: the command each device runs to join, and how to submit runs."""
+def join_instructions(listen: str, certs: ServerCerts | None, auth_keys: list[Path], local: str) -> list[str]:
+    """What ``edgefl server`` prints: what faces the network, the command each device runs to join, and how to
+    submit runs (``local``: the SuperLink's own address on this machine's loopback)."""
     host, port = parse_address(listen)
     tls = f"--root-cert {certs.ca.resolve()}" if certs else "--insecure"
     auth = f" --auth-key {auth_keys[0].parent.resolve()}/node-I.key" if auth_keys else ""
-    local = f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
     server = f"{_advertised_host(host, certs)}:{port}"
     copy = f" (copy {certs.ca.name}{' and its node-I.key' if auth_keys else ''} to each device)" if certs else ""
+    if certs:
+        submit = [
+            "submit runs from any machine with a submitter certificate (edgefl certs --submitters N):",
+            f"  edgefl run --federation remote --server {server} {tls} "
+            f"--submitter-cert {certs.ca.parent.resolve()}/submitter-I.pem --clients N ...",
+        ]
+    else:
+        submit = ["submit runs on this machine only, with:",
+                  f"  edgefl run --federation remote --server {local} --insecure --clients N ..."]  # fmt: skip
     return [
-        f"SuperLink on {listen}, {'TLS' if certs else 'plain text (--insecure)'}, "
-        + (f"node authentication: {len(auth_keys)} registered keys" if auth_keys else "any SuperNode may join"),
+        f"gateway (nginx) on {listen}, {'TLS' if certs else 'plain text (--insecure)'}: devices' Fleet API only, "
+        + ("runs from submitter certificates" if certs else "no run submission")
+        + f"; the SuperLink on {local}",
+        "node authentication: " + (f"{len(auth_keys)} registered keys" if auth_keys else "off, any SuperNode may join"),
         f"each device joins with, for I = 0 .. N-1{copy}:",
         f"  edgefl client --server {server} {tls} --partition-id I --num-partitions N{auth}",
-        "submit runs from this machine with:",
-        f"  edgefl run --federation remote --server {local} {tls} --clients N ...",
+        *submit,
     ]
 
 
@@ -105,8 +117,9 @@ def _server_events(text: str) -> list[str]:
 def serve(
     listen: str, certs: ServerCerts | None, auth_keys: list[Path], out: Path, progress: Callable[[str], None]
 ) -> None:
-    """Run Flower's SuperLink on ``listen`` until interrupted, registering the SuperNode keys ``auth_keys`` (node
-    authentication is on when there are any); reports joins and refusals. Stops what it started on the way out."""
+    """Run Flower's SuperLink on this machine's loopback and the gateway (``edgefl.gateway``) on ``listen`` until
+    interrupted, registering the SuperNode keys ``auth_keys`` (node authentication is on when there are any);
+    reports joins and refusals. Stops what it started on the way out."""
     host, port = parse_address(listen)
     if auth_keys and certs is None:
         raise ConfigError("node authentication needs TLS: give --certs DIR instead of --insecure")
@@ -122,14 +135,16 @@ def serve(
     logs = out / "logs"
     env = _flower_env(out)
     with ProcessGroup(logs, env) as procs:
-        start_superlink(procs, superlink_argv(host, port, certs, node_auth=bool(auth_keys)))
-        local = f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
+        local_port = free_port()
+        local = f"127.0.0.1:{local_port}"
+        start_superlink(procs, superlink_argv("127.0.0.1", local_port, certs, node_auth=bool(auth_keys)))
+        gateway = Gateway(host, port, local_port, certs, superlink_tls=True).start(procs)
         write_flwr_home(Path(env["FLWR_HOME"]), local, certs.ca.resolve() if certs else None)
         for key in auth_keys:
             run_flwr(["supernode", "register", str(key.resolve()), FEDERATION], env)
-        for line in join_instructions(listen, certs, auth_keys):
+        for line in join_instructions(listen, certs, auth_keys, local):
             progress(line)
-        progress(f"log: {logs / 'superlink.log'}; Ctrl-C stops the server")
+        progress(f"logs: {logs / 'superlink.log'}, {gateway / 'access.log'}; Ctrl-C stops the server")
         offset = 0
         while True:
             procs.check_alive()
@@ -234,10 +249,11 @@ def _run_supernode(
     first: bool,
     progress: Callable[[str], None],
     cap: DeviceCaps,
+    tend_agent: Callable[[], None],
 ) -> bool:
-    """Run one SuperNode process until it exits (on the emulated device's ``supernode`` core once it has joined);
-    returns whether it joined. The ``first`` one must join within the connect timeout, or this raises LaunchError
-    with the reason."""
+    """Run one SuperNode process until it exits (on the emulated device's ``supernode`` core once it has joined),
+    calling ``tend_agent`` meanwhile; returns whether it joined. The ``first`` one must join within the connect
+    timeout, or this raises LaunchError with the reason."""
     log = agent.log_dir / "supernode.log"
     offset = _size(log)
     deadline = time.monotonic() + spec.connect_timeout_s
@@ -245,7 +261,7 @@ def _run_supernode(
     with ProcessGroup(agent.log_dir, agent.env) as node:
         proc = node.start("supernode", argv)
         while proc.poll() is None:
-            agent.check_alive()
+            tend_agent()
             if not joined and JOINED in tail_from(log, offset):
                 joined = True
                 cap.place("supernode", proc.pid)
@@ -260,8 +276,9 @@ def _run_supernode(
 
 
 def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
-    """Keep this device in the federation until interrupted: the edge agent, and Flower's SuperNode restarted
-    whenever it exits. Fails with one line if the server cannot be reached or refuses the node the first time."""
+    """Keep this device in the federation until interrupted: the edge agent, started again beside the running
+    SuperNode whenever it dies, and Flower's SuperNode restarted whenever it exits. Fails with one line if the
+    server cannot be reached or refuses the node the first time, or if the agent does not start."""
     spec.check()
     with contextlib.ExitStack() as stack:
         cap = stack.enter_context(DeviceCaps(device_profile(spec.device_profile), f"client-{spec.partition_id}"))
@@ -272,15 +289,32 @@ def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
         agent = stack.enter_context(ProcessGroup(logs, env))
         runtime = NodeRuntime.create(spec.folder, "node")
         data_dir = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []
-        agent.start("agent", runtime.agent_argv(*data_dir))
-        agent.wait_until("the edge agent", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
-        AgentThreads.load(runtime.ready_file).place(cap)
+
+        def start_agent() -> None:
+            runtime.ready_file.unlink(missing_ok=True)
+            agent.start("agent", runtime.agent_argv(*data_dir))
+            agent.wait_until("the edge agent", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
+            AgentThreads.load(runtime.ready_file).place(cap)
+
+        def tend_agent() -> None:
+            """An agent that died (killed, out of memory) is started again with the same Runtime API, secret and
+            held-tasks folder: it answers the tasks it held at once (``fl_client.tasks``), and the SuperNode, its
+            node id and its place in the run stay."""
+            ((_, proc),) = agent.procs
+            if proc.poll() is None:
+                return
+            progress(f"the edge agent exited with code {proc.returncode}; starting it again")
+            agent.stop()  # and whatever it had forked
+            start_agent()
+            progress("edge agent ready again")
+
+        start_agent()
         node_config = f"partition-id={spec.partition_id} num-partitions={spec.num_partitions}"
         progress(f"edge agent ready; logs: {logs}")
         first = True
         while True:
             argv = supernode_argv(spec.server, spec.root_cert, node_config, spec.auth_key, serve=runtime)
-            joined = _run_supernode(spec, argv, agent, first, progress, cap)
+            joined = _run_supernode(spec, argv, agent, first, progress, cap, tend_agent)
             first = False
             progress(
                 f"the SuperNode {'left' if joined else 'could not rejoin'}; restarting it in {RESTART_DELAY_S:g} s"
@@ -296,6 +330,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     if args.node_keys:
         keys = make_node_keys(args.out, args.node_keys)
         print(f"SuperNode keys: {keys[0].parent}/node-I.key to device I, node-I.pub to edgefl server --auth-keys")
+    if args.submitters:
+        submitters = make_submitter_certs(args.out, args.submitters)
+        print(f"submitter certificates: {submitters[0].parent}/submitter-I.pem (+ .key) to whoever submits runs")
     return 0
 
 
@@ -329,6 +366,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder for the PEM files and keys")
     p.add_argument("--host", action="append", default=[], help="host name or IP devices dial (repeatable)")
     p.add_argument("--node-keys", type=int, default=0, metavar="N", help="also N SuperNode key pairs node-I.key/.pub")
+    p.add_argument("--submitters", type=int, default=0, metavar="N",
+                   help="also N submitter certificates submitter-I.pem/.key (edgefl run --submitter-cert)")  # fmt: skip
     p.set_defaults(func=cmd_certs)
 
     p = sub.add_parser("server", help="run the SuperLink devices join (TLS); prints the edgefl client line")

@@ -1,9 +1,12 @@
 """edgefl's ClientApp. Flower would start it in a fresh process for every message; edgefl runs it inside the
 edge agent's long-lived process instead (``fl_client.node``: the SuperNode runs with ``--isolation process`` and
 the agent claims its tasks over the Runtime API), so the model, data, optimizer and codec memory stay in memory
-between messages. Node config: ``partition-id``, ``num-partitions``."""
+between messages; the agent keeps one session per Flower run id. Node config: ``partition-id``,
+``num-partitions``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -30,4 +33,5 @@ def train(msg: Message, context: Context) -> Message:
         )
     instr = parse_instruction(msg.content)
     partition_id, num_partitions = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    return Message(reply_content(_agent.train(instr, partition_id, num_partitions)), reply_to=msg)
+    reply = _agent.train(instr, partition_id, num_partitions, msg.metadata.run_id)
+    return Message(reply_content(dataclasses.replace(reply, reply_key=instr.reply_key)), reply_to=msg)

@@ -1,10 +1,10 @@
 """A device's agent process: the edge agent, serving the tasks of the SuperNode beside it.
 
     python -m fl_client.node --runtime-api 127.0.0.1:9094 --secret-file node.secret [--data-dir DIR]
-        [--job job.json --partition-id I --num-partitions N] [--ready-file FILE] [--held-tasks DIR]
+        [--job job.json --partition-id I --num-partitions N] [--ready-file FILE] [--held-tasks DIR] [--parent-pid PID]
 
 ``--job`` loads the coming run's data and model before its first message, so round 1 does not pay for it.
-SIGTERM or SIGINT stops it."""
+SIGTERM or SIGINT stops it, and so does the end of process ``--parent-pid`` (``fl_client.parent``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from contract.transport import why_stock
 from edge.agent import EdgeAgent
 from edge.devices import AgentThreads
 from fl_client.app import app, attach
+from fl_client.parent import watch_parent
 from fl_client.tasks import TaskServer
 
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--partition-id", type=int, default=0)
     parser.add_argument("--num-partitions", type=int, default=1)
+    parser.add_argument("--parent-pid", type=int, help="stop once this process is gone (the launcher)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Runtime API request otherwise
@@ -44,9 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid:
+        watch_parent(args.parent_pid)
     agent = EdgeAgent(args.data_dir, transport="stock" if why_stock() else "fast")
     if args.job:
-        agent.session_for(args.job.read_text(), args.partition_id, args.num_partitions)
+        agent.session_for(args.job.read_text(), args.partition_id, args.num_partitions, run_id=None)
     attach(agent)
     if args.ready_file:
         AgentThreads(os.getpid(), agent.trainer_tid).save(args.ready_file)

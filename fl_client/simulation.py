@@ -63,11 +63,15 @@ def train(msg: Message, context: Context) -> Message:
     partition_id = int(context.node_config["partition-id"])
     check_partition(job, partition_id, int(context.node_config["num-partitions"]))
     if not instr.asks_for_rounds:
-        return Message(reply_content(TrainReply(partition_id, (), {}, SIMULATION)), reply_to=msg)
+        size = len(_partition(job, partition_id).y_train)
+        reply = TrainReply(partition_id, (), {}, SIMULATION, partition_size=size, reply_key=instr.reply_key)
+        return Message(reply_content(reply), reply_to=msg)
     session = _session(context, job, partition_id)
     session.take_instruction(instr)
     while session.can_train() and session.next_round <= instr.last_round:
         session.train_next()
     ready = session.take_outbox()
     context.state[SESSION] = ConfigRecord({"pickle": pickle.dumps(session)})
-    return Message(reply_content(TrainReply(partition_id, tuple(ready), {}, SIMULATION)), reply_to=msg)
+    reply = TrainReply(partition_id, tuple(ready), {}, SIMULATION, partition_size=session.num_examples,
+                       reply_key=instr.reply_key)  # fmt: skip
+    return Message(reply_content(reply), reply_to=msg)

@@ -1,17 +1,23 @@
 """Flower's SuperNode with its fixed waits tuned (``contract.transport``); every argument is
-``flower-supernode``'s. edgefl starts it with ``--isolation process``: the edge agent serves its tasks.
+``flower-supernode``'s but ``--parent-pid PID``, given first: it stops (as on SIGTERM) once that process is gone
+(``fl_client.parent``). edgefl starts it with ``--isolation process``: the edge agent serves its tasks.
 
-    python -m fl_client.supernode --insecure --superlink HOST:PORT --isolation process --port 9094 ...
+    python -m fl_client.supernode [--parent-pid PID] --insecure --superlink HOST:PORT --isolation process ...
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 from contract.transport import tune
+from fl_client.parent import watch_parent
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--parent-pid"]:
+        watch_parent(int(sys.argv[2]))
+        del sys.argv[1:3]
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     log = logging.getLogger("edgefl")

@@ -5,15 +5,18 @@
 Per task, the calls ``flwr-clientapp`` makes: AcquireTask (signed with the SuperExec secret when the node has
 one) → PullTaskInput, PullMessages, PullObject × n, ConfirmMessageReceived → the ClientApp → PushMessages,
 PushObject × m → PushTaskOutput. A heartbeat keeps the task claimed while the ClientApp works (Flower fails a
-task that sends none for 60 s). The Runtime API listens on the device's loopback only.
+task that sends none for 60 s). The Runtime API listens on the device's loopback only, and the agent sends
+nothing on a connection whose other end is not its own user's (``fl_client.runtime_owner``).
 
 Tasks are served side by side, up to ``MAX_TASKS`` at once: edgefl's SuperNode hands over every message queued
 for it (``contract.transport``), and the agent holds each until it has an update to answer it with.
 
 A task whose message this process has pulled is kept on disk (``HeldTask``, one file per task in the held-tasks
-folder) until it is answered: an agent that died holding some (kill -9, out of memory, a power cut of the agent's
-container) answers them with an error as soon as it is back, so the server sends its model again at once instead
-of after Flower's 60 s task expiry."""
+folder) until it is finished: an agent that died holding some (kill -9, out of memory, a power cut of the agent's
+container) and is restarted beside the same SuperNode answers them with an error as soon as it is back, so the
+server sends its model again at once instead of after Flower's 60 s task expiry. A task whose reply was pushed
+is marked so before the task is finished, and only finished on restart: it is never answered twice (and were the
+agent killed between the push and the mark, Flower's SuperLink refuses a second reply to the same message)."""
 
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from google.protobuf.message import DecodeError
 
 from contract.transport import CONCURRENCY, RETRY_BACKOFF_S
+from fl_client.runtime_owner import NotOurSuperNode, OwnSuperNodeOnly
 
 log = logging.getLogger("edgefl.tasks")
 
@@ -101,12 +105,13 @@ class TaskTiming:
 
 @dataclass(frozen=True)
 class HeldTask:
-    """A claimed task whose message this agent pulled: its token, and the message without its content (enough
-    to address a reply to it)."""
+    """A claimed task whose message this agent pulled: its token, the message without its content (enough to
+    address a reply to it), and whether its reply was pushed (then only the task's end is left to tell)."""
 
     task_id: int
     token: str
     message: Message
+    answered: bool = False
 
     SUFFIX = ".task"
 
@@ -117,7 +122,8 @@ class HeldTask:
     def save(self, folder: Path) -> None:
         """Written whole (rename) and readable by this user only: the token answers the task."""
         proto = message_to_proto(remove_content_from_message(self.message)).SerializeToString()
-        record = {"task_id": self.task_id, "token": self.token, "message": base64.b64encode(proto).decode()}
+        record = {"task_id": self.task_id, "token": self.token, "message": base64.b64encode(proto).decode(),
+                  "answered": self.answered}  # fmt: skip
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self.path(folder, self.task_id)
         partial = path.with_name(path.name + ".partial")
@@ -133,7 +139,7 @@ class HeldTask:
         try:
             record = json.loads(path.read_text())
             proto = MessageProto.FromString(base64.b64decode(record["message"]))
-            return cls(record["task_id"], record["token"], message_from_proto(proto))
+            return cls(record["task_id"], record["token"], message_from_proto(proto), record.get("answered") is True)
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError, DecodeError) as exc:
@@ -150,32 +156,40 @@ class TaskServer:
         self.address = address
         self.app = app
         self.held_dir = held_dir
-        interceptors = [RuntimeVersionHttpInterceptor(component_name=COMPONENT)]
+        interceptors = [OwnSuperNodeOnly(), RuntimeVersionHttpInterceptor(component_name=COMPONENT)]
         if secret:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE}))
         self._claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
         self._serving = threading.BoundedSemaphore(MAX_TASKS)
 
     def serve(self, stop: threading.Event) -> None:
-        delay, connected, abandoned = POLL_S[0], None, self.held_dir is not None
+        """Serve until ``stop``: first the tasks a previous agent held, then every task claimed; a SuperNode that
+        is not (yet) up, or a port held by another user's process, is retried every ``RECONNECT_S``."""
+        delay, state, abandoned = POLL_S[0], "", self.held_dir is not None
         while not stop.is_set():
             try:
                 if abandoned:
                     self.answer_abandoned()
                     abandoned = False
                 claimed = self.claim_one()
+            except NotOurSuperNode as exc:
+                if state != "refused":
+                    log.error("%s; waiting for this device's SuperNode", exc)
+                state = "refused"
+                stop.wait(RECONNECT_S)
+                continue
             except httpx.TransportError as exc:
-                if connected is not False:
+                if state != "down":
                     log.warning("no SuperNode at %s (%s); retrying every %.1f s", self.address, exc, RECONNECT_S)
-                connected = False
+                state = "down"
                 stop.wait(RECONNECT_S)
                 continue
             except httpx.HTTPStatusError as exc:
                 log.warning("the SuperNode refused a claim (%s); going on", exc)
                 claimed = False
-            if connected is not True:
+            if state != "up":
                 log.info("serving the tasks of the SuperNode at %s", self.address)
-                connected = True
+                state = "up"
             delay = POLL_S[0] if claimed else min(delay * 1.5, POLL_S[1])
             if not claimed:
                 stop.wait(delay)
@@ -218,17 +232,22 @@ class TaskServer:
             self._serving.release()
 
     def answer_abandoned(self) -> None:
-        """Answer, with an error, the tasks a previous agent held when it died (``HeldTask``); the SuperNode
-        refuses for a task it already failed itself (60 s without heartbeats)."""
+        """Answer, with an error, the tasks a previous agent held when it died (``HeldTask``), and finish those
+        it had answered; the SuperNode refuses for a task it already failed itself (60 s without heartbeats)."""
         if self.held_dir is None:
             return
         for record in sorted(self.held_dir.glob("*" + HeldTask.SUFFIX)):
             if held := HeldTask.load(record):
                 client = self._task_client(held.token)
                 try:
-                    _push_reply(client, Message(Error(ErrorCode.CLIENT_APP_CRASHED, ABANDONED), reply_to=held.message))
-                    _push_output(client, None, SubStatus.FAILED, ABANDONED)
-                    log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
+                    if held.answered:
+                        _push_output(client, None, SubStatus.COMPLETED, "")
+                        log.info("finished task %d, which the previous agent had answered", held.task_id)
+                    else:
+                        error = Error(ErrorCode.CLIENT_APP_CRASHED, ABANDONED)
+                        _push_reply(client, Message(error, reply_to=held.message))
+                        _push_output(client, None, SubStatus.FAILED, ABANDONED)
+                        log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
                 except httpx.HTTPStatusError as exc:
                     log.warning("the SuperNode no longer holds task %d of the previous agent (%s)", held.task_id, exc)
                 finally:
@@ -243,7 +262,8 @@ class TaskServer:
         waits for its objects, forever."""
         return RuntimeHttpClient.from_server_address(
             self.address, True, None,
-            [RuntimeVersionHttpInterceptor(component_name=COMPONENT), RuntimeTokenHttpInterceptor(token)],
+            [OwnSuperNodeOnly(), RuntimeVersionHttpInterceptor(component_name=COMPONENT),
+             RuntimeTokenHttpInterceptor(token)],
             retry_invoker=RetryInvoker(lambda: constant(RESEND_S), RESENT, RESENDS, None, jitter=None),
         )  # fmt: skip
 
@@ -268,8 +288,8 @@ class TaskServer:
         answered = time.monotonic()
         try:
             _push_reply(client, reply)
-            if self.held_dir:  # answered: an agent restarted from here on must not answer it again
-                HeldTask.path(self.held_dir, task_id).unlink()
+            if self.held_dir:  # answered: an agent restarted from here on only finishes the task
+                HeldTask(task_id, token, message, answered=True).save(self.held_dir)
         finally:
             _push_output(client, context, status, details)
         log.info(TaskTiming(message.metadata.message_id, claimed, pulled, answered, time.monotonic()).log_line())

@@ -7,52 +7,92 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import add_exit_handler
 
-from contract.run_folder import SERVER_ERROR, RunFolder
+from contract.errors import EdgeflError
+from contract.run_folder import (
+    CHECKPOINT,
+    ROUNDS,
+    SERVER_ERROR,
+    RunFolder,
+    load_checkpoint,
+    remote_folder_name,
+    truncate_rounds,
+)
 from contract.settings import RunConfig
 from contract.transport import tune
 from fl_server.engine import serve
 
 app = ServerApp()
+STOPPED = "stopped before the run's end (flwr stop, or the server shut down)\n"
 
 
 def run_folder_of(config: RunConfig, context: Context) -> RunFolder:
     """The folder a run writes: ``run-dir`` when the submitter shares this machine, else one under the
-    server's own folder (the parent of FLWR_HOME, e.g. ``edgefl server --out``), echoed to the submitter."""
+    server's own folder (the parent of FLWR_HOME, e.g. ``edgefl server --out``), echoed to the submitter: the
+    folder of the run it resumes (``resume-folder``) when that holds a checkpoint, else a new one."""
     if run_dir := str(context.run_config.get("run-dir", "")):
         return RunFolder(Path(run_dir))
-    server = Path(os.environ.get("FLWR_HOME", ".flwr")).resolve().parent
-    path = server / "runs" / f"{config.name}-{context.run_id}"
+    runs = Path(os.environ.get("FLWR_HOME", ".flwr")).resolve().parent / "runs"
+    resumed = str(context.run_config.get("resume-folder", ""))
+    if resumed == Path(resumed).name and resumed not in ("", ".", "..") and (runs / resumed / CHECKPOINT).is_file():
+        return RunFolder(runs / resumed, echo=True)
+    path = runs / remote_folder_name(config.name, context.run_id)
     path.mkdir(parents=True, exist_ok=True)
     return RunFolder(path, echo=True)
 
 
 def run_app(context: Context, body: Callable[[RunConfig, RunFolder], None]) -> None:
-    """Run ``body`` on the run's settings and folder (``run_in_folder``)."""
+    """Run ``body`` on the run's settings and folder (``run_in_folder``). A resumed remote run first echoes its
+    rounds.jsonl cut back to its checkpoint (the submitter's may run ahead), or fails when this server has no
+    checkpoint of it."""
     config = RunConfig.from_run_config(context.run_config)
     folder = run_folder_of(config, context)
-    run_in_folder(folder, lambda: body(config, folder))
+    resumed = str(context.run_config.get("resume-folder", ""))
+
+    def run() -> None:
+        if resumed and folder.path.name != resumed:
+            raise EdgeflError(f"nothing to resume: this server has no checkpoint of the run {resumed[:100]!r}")
+        if resumed:
+            truncate_rounds(folder.path, load_checkpoint(folder.path)[0])
+            folder.resend(ROUNDS)
+        body(config, folder)
+
+    run_in_folder(folder, run)
 
 
 def run_in_folder(folder: RunFolder, body: Callable[[], None]) -> None:
     """Run ``body`` with the server's log in the folder's ``server.log``; any failure is written to
-    ``server_error.txt`` (one line) before it propagates."""
+    ``server_error.txt`` (one line) before it propagates. So is a stop (Flower's exit on a signal: ``flwr stop``,
+    the server shutting down), while Flower still streams the log: an echoing folder's submitter gets the
+    checkpoint with it."""
     handler = logging.FileHandler(folder.path / "server.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logger = logging.getLogger("edgefl")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    ended = threading.Event()  # the run's last word (its summary or its error) is written: once
+
+    def last_word(text: str) -> None:
+        if not ended.is_set():
+            ended.set()
+            folder.write(SERVER_ERROR, text.encode())
+
+    add_exit_handler(lambda: last_word(STOPPED), run_before_force_exit=True)
     try:
         body()
     except BaseException as exc:
         logger.exception("server failed")
-        folder.write(SERVER_ERROR, f"{type(exc).__name__}: {exc}\n".encode())
+        last_word(f"{type(exc).__name__}: {exc}\n")
         raise
+    finally:
+        ended.set()  # Flower's exit after the run's end is no stop
 
 
 @app.main()

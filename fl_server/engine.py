@@ -8,10 +8,16 @@ checkpoints it, so the loop never waits on evaluation before sending the next ro
 stops the run with its error.
 
 Clients come and go: the node set is re-read every ``NODE_REFRESH_S``. A new node is first asked which
-partition it trains (``fl_server.membership``: admitted, a spare, or refused); an admitted node that vanished
-is retired (its messages in flight are dropped, never counted) and a spare of its partition takes over. A
-restarted SuperNode gets a new node id: to the round engine it is a fresh client, sent the newest global model.
-The first round starts once each of the run's partitions has a node.
+partition it trains (``fl_server.membership``: admitted, a spare, or refused; asked again when Flower's error
+rather than its agent's answers, ``refused_by_client``); an admitted node that vanished is retired (its messages
+in flight are dropped, never counted) and a spare of its partition takes over, training it from the newest global
+model. A restarted SuperNode gets a new node id: to the round engine it is a fresh client, sent the newest global
+model. The first round starts once each of the run's partitions has a node. A node trains the partition it was
+admitted for: a reply that names another, or declares another size, is refused.
+
+Each update's ``num_examples`` is bounded by its partition's size (``strategies.rounds``): the run's split made
+here from the evaluation's copy of the data set, as the devices make it (``split_sizes``), or where that cannot be
+made, what the partition's first node declared (``fl_server.membership``).
 
 Resume: a run folder that holds a checkpoint continues from it (``edgefl run --resume``): global model, round,
 wall clock, the norm history of update validation and the server's global momentum (``gm=BETA``); rows after
@@ -34,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
@@ -56,10 +62,10 @@ from contract.run_folder import (
 )
 from contract.settings import RunConfig
 from contract.transport import FAST, STOCK
-from contract.wire import WireError, WireSize, parse_reply, train_message, wire_size
+from contract.wire import WireError, WireSize, parse_reply, reply_key, train_message, wire_size
 from fl_server.membership import Membership
 from fl_server.robust import make_aggregator
-from ml.data import load_dataset
+from ml.data import DataError, Dataset, load_dataset, one_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.onnx import export_onnx
 from ml.trainer import evaluate
@@ -96,6 +102,26 @@ def parsed_reply(reply: Message) -> TrainReply | str | None:
         return parse_reply(reply.content)
     except WireError as exc:
         return str(exc)
+
+
+def refused_by_client(error: Error) -> bool:
+    """Whether an error reply is the client's own answer (its ClientApp raised: the agent refused the run, e.g. its
+    partition does not fit, its data is missing, training diverged), not Flower's (the node went offline, the
+    message or its reply expired, the task stopped sending heartbeats, the app could not be loaded)."""
+    return error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+def split_sizes(dataset: Dataset, config: RunConfig) -> dict[int, int] | None:
+    """Each partition's training examples in the run's split, made from ``dataset`` as a device makes its own
+    (``ml.data.one_partition``, cached on disk); None, said in one line, when the split cannot be made here."""
+    try:
+        return {
+            p: len(one_partition(dataset, config.partition, config.clients, config.seed, p))
+            for p in range(config.clients)
+        }
+    except DataError as exc:
+        log.warning("the run's split cannot be made here (%s): each partition's first node declares its size", exc)
+        return None
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> list[int]:
@@ -261,6 +287,7 @@ class InFlight:
     sent_at: float  # ServerLoop.now()
     size: WireSize
     identify: bool = False  # it asked the node which partition it trains (fl_server.membership)
+    reply_key: str = ""  # what its reply must echo (contract.messages.TrainInstruction)
 
 
 @dataclasses.dataclass
@@ -290,6 +317,8 @@ class ServerLoop:
         job = config.client_job()
         self.job = job.to_json()
         self.evaluator = Evaluator(config, folder)
+        sizes = split_sizes(self.evaluator.dataset, config)
+        self.members = Membership(sizes or {}, split=sizes is not None)
         model = self.evaluator.model
         start = read_checkpoint(folder.path) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0), np.zeros(0))
         truncate_rounds(folder.path, start.round)
@@ -311,6 +340,7 @@ class ServerLoop:
             buffer=config.strategy_spec.buffer,
             server_lr=config.strategy_spec.server_lr,
             window=pipeline_window(config.strategy_spec.delay, config.strategy_spec.buffer, job.sampler().everyone),
+            partition_sizes=self.members.sizes,
         )
         self.wall_offset_s = start.wall_s
         self.broadcaster = BroadcastEncoder(  # --compress-down: clients are sent x̂, see strategies.downlink
@@ -319,8 +349,6 @@ class ServerLoop:
         self.traffic = Traffic()
         self.outstanding: dict[str, InFlight] = {}
         self.puller = ReplyPuller(grid)
-        self.members = Membership()
-        self.partition_of: dict[int, int] = {}
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
         self.t0 = 0.0
 
@@ -400,8 +428,8 @@ class ServerLoop:
 
     def _push(self) -> bool:
         messages = self._identify_messages()
-        for node in sorted(self.members.admitted):
-            while (request := self.engine.next_request(node, self.partition_of.get(node))) is not None:
+        for node, partition in sorted(self.members.admitted.items()):
+            while (request := self.engine.next_request(node, partition)) is not None:
                 messages.append((self._message(node, request), False))
         return bool(self._send(messages))
 
@@ -419,7 +447,7 @@ class ServerLoop:
             if msg_id is None:
                 raise RuntimeError(f"the SuperLink refused a message to node {msg.metadata.dst_node_id}")
             size = wire_size(msg)
-            self.outstanding[msg_id] = InFlight(msg.metadata.dst_node_id, sent_at, size, identify)
+            self.outstanding[msg_id] = InFlight(msg.metadata.dst_node_id, sent_at, size, identify, reply_key(msg))
             self.traffic.down += size.bytes
         return ids
 
@@ -440,13 +468,20 @@ class ServerLoop:
         message_id = reply.metadata.reply_to_message_id
         sent = self.outstanding.pop(message_id)
         self.traffic.up += size.bytes
-        handle = self._identified if sent.identify else self._receive
-        updates = handle(sent.node, reply, parsed)
+        forged = isinstance(parsed, TrainReply) and parsed.reply_key != sent.reply_key
+        if forged:
+            parsed = f"its reply key is not the message's: not answered by node {sent.node}, which the message went to"
+            log.warning("refused a reply to node %d's message %s: %s", sent.node, message_id, parsed)
+        if forged and sent.identify:  # the node itself has not answered who it is: ask it again
+            self.members.retry(sent.node, str(parsed))
+            updates: tuple[Update, ...] = ()
+        else:
+            updates = (self._identified if sent.identify else self._receive)(sent.node, reply, parsed)
         held_s = parsed.held_s if isinstance(parsed, TrainReply) else 0.0
         trip = MessageTrip(
             message_id=message_id,
             node=sent.node,
-            partition=self.partition_of.get(sent.node, -1),
+            partition=self._partition(sent.node),
             sent_at=sent.sent_at,
             round_trip_s=pulled_at - sent.sent_at,
             train_s=sum(u.train_s for u in updates),
@@ -460,36 +495,48 @@ class ServerLoop:
         )
         self.folder.append(MESSAGES, dataclasses.asdict(trip))
 
+    def _partition(self, node: int) -> int:
+        """The partition ``node`` trains or waits for; −1 when not known (yet)."""
+        partition = self.members.partition(node)
+        return -1 if partition is None else partition
+
     def _identified(self, node: int, reply: Message, parsed: TrainReply | str | None) -> tuple[Update, ...]:
-        """A node's answer to who it is: admitted, a spare, or refused (its agent's error says why)."""
-        if not isinstance(parsed, TrainReply):
+        """A node's answer to who it is: admitted, a spare, or refused (its agent's error says why); asked again
+        when the error is Flower's (``refused_by_client``)."""
+        if parsed is None and not refused_by_client(reply.error):
+            self.members.retry(node, reply.error.reason)
+        elif not isinstance(parsed, TrainReply):
             self.members.refuse(node, reply.error.reason if parsed is None else parsed)
-            return ()
-        if not 0 <= parsed.partition_id < self.config.clients:
+        elif not 0 <= parsed.partition_id < self.config.clients:
             self.members.refuse(
                 node, f"it trains partition {parsed.partition_id}, not one of 0..{self.config.clients - 1}"
             )
-        elif self.members.identified(node, parsed.partition_id):
-            self.partition_of[node] = parsed.partition_id
+        else:
+            self.members.identified(node, parsed.partition_id, parsed.partition_size)
         return ()
 
     def _receive(self, node: int, reply: Message, parsed: TrainReply | str | None) -> tuple[Update, ...]:
         """Hand a reply's updates to the round engine; returns them (none for an error or a malformed reply)."""
-        partition = self.partition_of.get(node, -1)  # rejections name partitions (−1: not known yet)
+        partition = self._partition(node)  # rejections name partitions
+        size = self.members.sizes.get(partition)
+        if isinstance(parsed, TrainReply) and (parsed.partition_id, parsed.partition_size) != (partition, size):
+            parsed = (f"node {node} trains partition {partition} of {size} examples; its reply names partition "
+                      f"{parsed.partition_id} of {parsed.partition_size}")  # fmt: skip
+            log.warning("refused a reply: %s", parsed)
         if parsed is None:
-            self.engine.fail(node, raised=reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+            self.engine.fail(node, raised=refused_by_client(reply.error))
             self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reply.error.reason}"))
             log.warning("node %d replied with an error: %s", node, reply.error.reason)
             self._stop_if_stuck(node, reply.error.reason)
             return ()
         if isinstance(parsed, str):
+            log.warning("refused a reply from node %d: %s", node, parsed)
             self.engine.receive(node, [])
             self.traffic.rejected.append(Rejection(partition, -1, parsed))
             return ()
-        self.partition_of[node] = parsed.partition_id
-        self.health[parsed.partition_id] = parsed.health
-        self.transport[parsed.partition_id] = parsed.transport
-        rejections = self.engine.receive(node, list(parsed.updates), parsed.partition_id)
+        self.health[partition] = parsed.health
+        self.transport[partition] = parsed.transport
+        rejections = self.engine.receive(node, list(parsed.updates), partition)
         for rejection in rejections:
             log.warning("refused round %d from node %d: %s", rejection.round, node, rejection.reason)
             self.traffic.rejected.append(rejection)

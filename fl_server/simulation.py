@@ -278,7 +278,7 @@ class SimulatedServerLoop(ServerLoop):
             heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
             return
         steps = len(parsed.updates) * self.config.local_steps if isinstance(parsed, TrainReply) else 0
-        partition = self.partition_of[sent.node]
+        partition = self.members.admitted[sent.node]
         parsed = self._on_device(parsed, partition)
         cycle_index = self.cycles[partition]
         self.cycles[partition] += 1

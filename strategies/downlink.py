@@ -89,14 +89,15 @@ class Broadcast:
     def parse(cls, header: Mapping[str, Any], blob: bytes) -> Broadcast:
         """The inverse of `header()`/`blob()`; raises DownlinkError for anything inconsistent."""
         try:
-            base = int(header["base-round"])
+            base = _integer(header["base-round"])
             columns = [list(header[key]) for key in ("rounds", "stypes", "sizes")]
             sha256 = str(header["sha256"])
+            rounds, sizes = [_integer(r) for r in columns[0]], [_integer(z) for z in columns[2]]
         except (KeyError, TypeError, ValueError) as exc:
             raise DownlinkError(f"broadcast metadata is incomplete or not numeric: {exc}") from None
         if len({len(c) for c in columns}) != 1 or (base == NO_BASE and not columns[0]):
             raise DownlinkError("broadcast metadata columns are empty or differ in length")
-        rounds, stypes, sizes = [int(r) for r in columns[0]], [str(s) for s in columns[1]], [int(z) for z in columns[2]]
+        stypes = [str(s) for s in columns[1]]
         if any(size < 0 for size in sizes) or sum(sizes) != len(blob):
             raise DownlinkError(f"broadcast part sizes {sizes} do not add up to the {len(blob)}-byte bundle")
         if base < NO_BASE or any(later <= earlier for earlier, later in pairwise([base, *rounds])):
@@ -107,6 +108,13 @@ class Broadcast:
         starts = [0, *ends][: len(ends)]
         parts = tuple(Part(r, s, blob[a:b]) for r, s, a, b in zip(rounds, stypes, starts, ends, strict=True))
         return cls(base, parts, sha256)
+
+
+def _integer(value: Any) -> int:
+    """A JSON integer of a broadcast's metadata; raises ValueError for anything else (a float, ±Infinity, a bool)."""
+    if type(value) is not int:
+        raise ValueError(f"{str(value)[:24]!r} is not an integer")
+    return value
 
 
 def apply_part(reference: np.ndarray, part: Part, layout: Layout) -> np.ndarray:

@@ -24,15 +24,18 @@ client sampled for it has answered it, or — stragglers — once ``quorum`` of 
 FedBuff (``buffer`` K ≥ 1, with D = 0) has no rounds to wait for: a "round" is a server step, which closes once K
 usable updates are buffered, from whichever model each was trained on (a stale one enters the open step, weighted
 by ``strategies.fedbuff.staleness_weight``); a client is sent the newest model after each step it did not yet
-contribute to, so it gives at most one update per step.
+contribute to, so it gives at most one update per step. A step closes with fewer once every client sampled for it
+has answered it, some with an update refused as unusable (below): it could never gather K.
 
 A contribution is accepted once: late (its round is closed), repeated, or beyond what the client could legally
 have trained is refused with the reason, and so is a payload that does not decode or fails validation
-(``strategies.validation``). An update refused as unusable still answers its round: the client has moved on
-and will not train that round again, so the round closes without it (a round nobody could contribute to leaves
-the global model where it was). A client whose last ``MAX_FAILED_REPLIES`` replies were all errors or wholly
-refused as unusable is taken to fail for good; once one does and the oldest open round can no longer gather its
-quorum without it, the engine is ``stuck``.
+(``strategies.validation``), or an update whose weight, ``num_examples``, is not positive or is more than its
+partition has (``partition_sizes``; the agent reports its partition's size, ``edge.agent.Session.num_examples``,
+whatever the K local steps drew of it), so that no client can set the mean by its weight alone. An update refused
+as unusable still answers its round: the client has moved on and will not train that round again, so the round
+closes without it (a round nobody could contribute to leaves the global model where it was). A client whose last
+``MAX_FAILED_REPLIES`` replies were all errors or wholly refused as unusable is taken to fail for good; once one
+does and the oldest open round can no longer gather its quorum without it, the engine is ``stuck``.
 
 Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
 a new node is a fresh client, sent the newest global model first (as deltas from the start model when
@@ -47,7 +50,7 @@ Aggregation is the streaming example-weighted mean unless an ``Aggregator`` (a r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,8 +164,11 @@ class RoundEngine:
         buffer: int = 0,
         server_lr: float = 1.0,
         window: int = 1,
+        partition_sizes: Mapping[int, int] | None = None,
     ) -> None:
-        """``window``: messages kept in flight per client (``pipeline_window`` for the strategy)."""
+        """``window``: messages kept in flight per client (``pipeline_window`` for the strategy).
+        ``partition_sizes``: partition → its training examples, the most an update of it may claim, read as updates
+        come (``fl_server.membership`` fills it in as nodes join); None: unchecked."""
         if not 0 < quorum <= 1:
             raise ValueError(f"quorum must be in (0, 1], got {quorum}")
         if buffer and (delay or aggregator):
@@ -184,6 +190,7 @@ class RoundEngine:
         self.validator = validator
         self._start_held = start_round if clients_build_start else -1
         self.momentum = momentum
+        self.partition_sizes = partition_sizes
         self._clients: dict[int, _Client] = {}
         self._contributed: dict[int, set[int]] = {}  # partition → rounds it sent an update for
         self._open: dict[int, _OpenRound] = {}
@@ -310,7 +317,7 @@ class RoundEngine:
         self._open[target] = open_round
         contributed.add(item.round)
         c.received = max(c.received, item.round)
-        update = self._decode(item)
+        update = self._decode(source, item)
         if isinstance(update, str):
             open_round.refused.append(source)
             return Rejection(source, item.round, update)
@@ -328,10 +335,16 @@ class RoundEngine:
         size = self.global_params.size
         return StalenessBuffer(size, self.server_lr) if self.buffer else WeightedMean(size)
 
-    def _decode(self, item: Update) -> np.ndarray | str:
+    def _decode(self, source: int, item: Update) -> np.ndarray | str:
         """The dense update, decoded once for validation and aggregation alike; or why it cannot be aggregated."""
         if item.num_examples <= 0:
             return "num_examples must be positive"
+        if self.partition_sizes is not None:
+            size = self.partition_sizes.get(source)
+            if size is None:
+                return f"num_examples cannot be checked: the size of partition {source} is not known"
+            if item.num_examples > size:
+                return f"num_examples {item.num_examples} is more than partition {source}'s {size} training examples"
         try:
             update = server_compressor(item.stype).decode(item.payload, self.layout)
         except MalformedUpdate as exc:
@@ -346,9 +359,12 @@ class RoundEngine:
             open_round = self._open.get(round_)
             count = len(open_round.clients) if open_round else 0
             if self.buffer:
-                if count < self.buffer:
+                if count >= self.buffer:
+                    how = "buffer"
+                elif open_round and self._all_answered(round_, open_round):
+                    how = "all"
+                else:
                     break
-                how = "buffer"
             elif open_round and count + len(open_round.refused) >= self.per_round:
                 how = "all"
             elif count >= self.min_clients and self._deadline_passed(now):
@@ -374,6 +390,11 @@ class RoundEngine:
                 )
             )
         return closed
+
+    def _all_answered(self, round_: int, open_round: _OpenRound) -> bool:
+        """Every client sampled for FedBuff's step ``round_`` has answered it (a stale update that entered it from a
+        client not sampled for it does not count)."""
+        return sum(self.sampler.trains(source, round_) for source in open_round.answered) >= self.per_round
 
     @property
     def deadline_at(self) -> float | None:

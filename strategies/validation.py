@@ -45,7 +45,7 @@ class NormOutlierFilter:
 
     def check(self, update: np.ndarray) -> str | None:
         """The reason ``update`` is refused, or None after recording its norm as accepted."""
-        norm = float(np.linalg.norm(update))
+        norm = float(np.linalg.norm(update.astype(np.float64, copy=False)))  # float32's would overflow from ~1e19
         if len(self.norms) >= self.min_history:
             quartile = float(np.quantile(self.norms, 0.75))
             if norm > self.norm_factor * quartile:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import numpy as np
 import pytest
 
-from contract.messages import TrainInstruction
+from contract.messages import TrainInstruction, TrainReply
 from contract.settings import ClientJob, RunConfig
-from edge.agent import EdgeAgent, Session
+from edge.agent import AgentError, EdgeAgent, Session
 from ml.data import FASHION_MNIST_DIR, DataError, load_dataset
 from ml.models import build_model, get_flat_params, param_layout
 from strategies.codecs import parse_codec
-from strategies.downlink import BroadcastEncoder
+from strategies.downlink import Broadcast, BroadcastEncoder
 from strategies.rounds import Update
+
+RUN = 1  # Flower's run id of the messages
 
 
 def test_the_devices_data_dir_wins_over_the_runs() -> None:
@@ -34,8 +39,8 @@ def test_the_job_is_parsed_once_per_run_and_refused_when_malformed() -> None:
     assert ClientJob.from_json(job.to_json()) == job
     agent = EdgeAgent()
     try:
-        session = agent.session_for(job.to_json(), 0, 2)
-        assert agent.session_for(job.to_json(), 0, 2) is session  # same run: the same session, not re-parsed
+        session = agent.session_for(job.to_json(), 0, 2, run_id=7)
+        assert agent.session_for(job.to_json(), 0, 2, run_id=7) is session  # same run: the same session, not re-parsed
     finally:
         agent.stop()
     for bad in ('{"dataset": "digits"}', "[]", job.to_json().replace('"local-steps": 20', '"local-steps": "20"')):
@@ -56,15 +61,15 @@ def test_each_held_message_is_answered_with_the_next_round_ready() -> None:
     broadcast = BroadcastEncoder(parse_codec("none"), params, layout).broadcast(0, params)
     agent = EdgeAgent(transport="fast")
     try:
-        first = agent.train(TrainInstruction(job.to_json(), 1, 3, broadcast), 0, 2)
+        first = agent.train(TrainInstruction(job.to_json(), 1, 3, broadcast), 0, 2, RUN)
         assert first.updates and first.updates[0].round == 1
         assert all(u.num_examples > 0 and u.payload for u in first.updates)
         assert first.transport == "fast" and first.partition_id == 0 and first.held_s > 0
         rounds = [u.round for u in first.updates]
         while rounds[-1] < 3:
-            rounds += [u.round for u in agent.train(TrainInstruction(job.to_json(), 2, 3, None), 0, 2).updates]
+            rounds += [u.round for u in agent.train(TrainInstruction(job.to_json(), 2, 3, None), 0, 2, RUN).updates]
         assert rounds == [1, 2, 3]  # every round once, in order
-        assert agent.train(TrainInstruction(job.to_json(), 4, 3, None), 0, 2).updates == ()  # the run is over here
+        assert agent.train(TrainInstruction(job.to_json(), 4, 3, None), 0, 2, RUN).updates == ()  # the run is over here
     finally:
         agent.stop()
 
@@ -94,3 +99,81 @@ def test_a_session_at_the_staleness_bound_holds_its_message() -> None:
     finish(3)
     session.take_outbox()
     assert session.reply_due()  # round 3 was the last: nothing more will come
+
+
+def _start(job: ClientJob) -> Broadcast:
+    """The dense broadcast of the seeded start model, as a run's first message to a client carries it."""
+    model = build_model(load_dataset("digits"), job.seed)
+    params = get_flat_params(model)
+    return BroadcastEncoder(parse_codec("none"), params, param_layout(model)).broadcast(0, params)
+
+
+def _run(agent: EdgeAgent, job: ClientJob, run_id: int) -> list[Update]:
+    """One run's messages to partition 0 until it has trained every round: the first brings the start model."""
+    updates = list(agent.train(TrainInstruction(job.to_json(), 1, job.rounds, _start(job)), 0, 2, run_id).updates)
+    while updates[-1].round < job.rounds:
+        updates += agent.train(TrainInstruction(job.to_json(), 2, job.rounds, None), 0, 2, run_id).updates
+    return updates
+
+
+def test_a_second_run_with_the_same_job_trains_from_round_1_in_a_fresh_session() -> None:
+    """Runs are told apart by Flower's run id, not by their job: ``compare`` run twice, or a resumed run, sends
+    the same job under a new run id and gets a fresh session (no DownlinkError, no update dropped as older); the
+    device keeps one session, and a late message of the ended run is refused, not trained again."""
+    job = RunConfig(
+        strategy="dga:1", dataset="digits", partition="iid", clients=2, rounds=2, local_steps=2
+    ).client_job()
+    agent = EdgeAgent()
+    try:
+        first = _run(agent, job, run_id=11)
+        second = _run(agent, job, run_id=12)
+        with pytest.raises(AgentError, match="run 11 has ended on this device, which trains run 12 now"):
+            agent.train(TrainInstruction(job.to_json(), 2, job.rounds, None), 0, 2, 11)
+    finally:
+        agent.stop()
+    assert [u.round for u in first] == [u.round for u in second] == [1, 2]
+    # A fresh session: the same seed, start model, data order, codec and DGA state give the same updates.
+    assert [u.payload for u in second] == [u.payload for u in first]
+
+
+def test_the_session_loaded_before_a_run_is_taken_by_its_first_run_only() -> None:
+    """``--job`` builds the coming run's session before its run id is known: the first run of that job takes it;
+    the next run with the same job gets a new one."""
+    job = RunConfig(dataset="digits", partition="iid", clients=2).client_job()
+    agent = EdgeAgent()
+    try:
+        loaded = agent.session_for(job.to_json(), 0, 2, run_id=None)
+        assert agent.session_for(job.to_json(), 0, 2, run_id=21) is loaded
+        assert agent.session_for(job.to_json(), 0, 2, run_id=22) is not loaded
+    finally:
+        agent.stop()
+
+
+def test_a_message_held_by_a_run_that_another_run_replaced_is_answered_at_once() -> None:
+    """D = 1 and no new global model: run 31's message for round 3 waits at the staleness bound. Run 32's first
+    message replaces the session (a device holds one run's data and model), and the held message is answered
+    with the reason instead of waiting forever."""
+    job = RunConfig(
+        strategy="dga:1", dataset="digits", partition="iid", clients=2, rounds=3, local_steps=2
+    ).client_job()
+    agent = EdgeAgent()
+    held: queue.Queue[BaseException | TrainReply] = queue.Queue()
+
+    def hold() -> None:
+        try:
+            held.put(agent.train(TrainInstruction(job.to_json(), 3, 3, None), 0, 2, 31))
+        except AgentError as exc:
+            held.put(exc)
+
+    try:
+        rounds = [u.round for u in agent.train(TrainInstruction(job.to_json(), 1, 3, _start(job)), 0, 2, 31).updates]
+        while rounds[-1] < 2:
+            rounds += [u.round for u in agent.train(TrainInstruction(job.to_json(), 2, 3, None), 0, 2, 31).updates]
+        waiting = threading.Thread(target=hold)
+        waiting.start()
+        assert agent.train(TrainInstruction(job.to_json(), 1, 3, _start(job)), 0, 2, 32).updates[0].round == 1
+        answer = held.get(timeout=60)
+        waiting.join()
+    finally:
+        agent.stop()
+    assert isinstance(answer, AgentError) and "run 32" in str(answer), answer

@@ -61,3 +61,35 @@ def test_fedbuff_settings_that_cannot_work_are_one_line() -> None:
         build_config(strategy="fedbuff:2", aggregate="median")
     config = build_config(strategy="fedbuff:2:slr=0.5")
     assert config.strategy == "fedbuff:2:slr=0.5" and config.client_job().delay == 0
+
+
+def test_a_refused_update_still_answers_its_step() -> None:
+    """K = 2 of 3 clients, client 1's update refused: the step waits, as client 3 may still fill it. K = 2 of 2:
+    the step closes on client 2's alone (it could never gather K), client 1 is sent the newest model, and the next
+    step takes both."""
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=2, num_clients=3, buffer=2)
+    for client in (1, 2, 3):
+        assert engine.next_request(client) is not None
+    engine.receive(1, [_update([1, 1, 1, 1], 1, n=0)])
+    engine.receive(2, [_update([4, 4, 4, 4], 1)])
+    assert engine.close_rounds(now=0) == []
+    engine.receive(3, [_update([2, 2, 2, 2], 1)])
+    (step,) = engine.close_rounds(now=0)
+    assert (sorted(step.clients), step.closed_by) == ([2, 3], "buffer")
+
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=2, num_clients=2, buffer=2)
+    assert engine.next_request(1) is not None and engine.next_request(2) is not None
+    (refused,) = engine.receive(1, [_update([1, 1, 1, 1], 1, n=0)])
+    assert refused.invalid
+    engine.receive(2, [_update([4, 4, 4, 4], 1)])
+    (step,) = engine.close_rounds(now=0)
+    assert (step.clients, step.closed_by) == ([2], "all") and not engine.stuck
+    np.testing.assert_allclose(engine.global_params, [4, 4, 4, 4])
+    request = engine.next_request(1)
+    assert request is not None and (request.next_round, request.global_round) == (2, 1)
+    assert engine.next_request(2) is not None
+    engine.receive(1, [_update([2, 2, 2, 2], 2)])
+    engine.receive(2, [_update([2, 2, 2, 2], 2)])
+    (step,) = engine.close_rounds(now=0)
+    assert (sorted(step.clients), step.closed_by) == ([1, 2], "buffer") and engine.done
+    np.testing.assert_allclose(engine.global_params, [6, 6, 6, 6])

@@ -31,9 +31,10 @@ WAIT_S = 120.0
 class Command:
     """An ``edgefl`` command running in the background, its output lines collected as they come."""
 
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=REPO, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    def __init__(self, *args: str, prefix: list[str] | None = None) -> None:
+        """``edgefl ARGS``, inside ``prefix`` (e.g. ``ip netns exec NS``)."""
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "edgefl.cli", *args], cwd=REPO,
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -75,20 +76,21 @@ def _one_line_error(done: subprocess.CompletedProcess[str], needle: str) -> None
     assert needle in lines[0], lines[0]
 
 
-def _start_server(certs: Path, port: int, out: Path) -> tuple[Command, str]:
-    """``edgefl server`` admitting node-0 and node-1; returns it and the client command line it printed."""
+def _start_server(certs: Path, port: int, out: Path) -> tuple[Command, str, str]:
+    """``edgefl server`` admitting node-0 and node-1; returns it and the client and run command lines it printed."""
     server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(out),
                      "--auth-keys", str(certs / "node-0.pub"), str(certs / "node-1.pub"))  # fmt: skip
     server.wait_for("each device joins with")
-    return server, server.wait_for(r"^\s+edgefl client ").strip()
+    join_line = server.wait_for(r"^\s+edgefl client ").strip()
+    return server, join_line, server.wait_for(r"^\s+edgefl run ").strip()
 
 
 @pytest.mark.federation
 def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_refused(tmp_path: Path) -> None:
     certs, port = tmp_path / "certs", free_port()
-    assert edgefl("certs", "--out", str(certs), "--node-keys", "3").returncode == 0
+    assert edgefl("certs", "--out", str(certs), "--node-keys", "3", "--submitters", "1").returncode == 0
     server_dir = tmp_path / "server"
-    server, join_line = _start_server(certs, port, server_dir)
+    server, join_line, submit_line = _start_server(certs, port, server_dir)
     clients = []
     try:
         for i in range(2):  # the exact line the server printed, with I and N filled in
@@ -97,15 +99,20 @@ def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_ref
             clients.append(Command(*argv[1:], "--dataset", "digits", "--out", str(tmp_path / f"client-{i}")))
         for client in clients:
             client.wait_for(f"joined 127.0.0.1:{port}")
-        remote = ["--federation", "remote", "--server", f"127.0.0.1:{port}", "--root-cert", str(certs / "ca.pem")]
+        # The submit line the server printed: through the gateway, with a submitter certificate.
+        remote = shlex.split(submit_line.replace("submitter-I", "submitter-0").replace(" --clients N ...", ""))[2:]
+        assert (
+            remote[:4] == ["--federation", "remote", "--server", f"127.0.0.1:{port}"] and "--submitter-cert" in remote
+        )
         first = edgefl("run", *FAST, *remote, "--out", str(tmp_path / "run-1"), timeout=300)
         assert first.returncode == 0, first.stderr
         rows = [json.loads(line) for line in (tmp_path / "run-1" / "rounds.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rows] == [1, 2] and all(r["clients"] == [0, 1] for r in rows)
         # The ServerApp wrote the run on the server's side; the submitter got the same files streamed back.
         (on_server,) = (server_dir / "runs").glob("run-1-*")
-        for name in ("rounds.jsonl", "messages.jsonl", "summary.json", "global.onnx"):
+        for name in ("rounds.jsonl", "messages.jsonl", "summary.json", "global.onnx", "checkpoint.npz"):
             assert (tmp_path / "run-1" / name).read_bytes() == (on_server / name).read_bytes(), name
+        assert (tmp_path / "run-1" / ".remote-run").read_text() == on_server.name + "\n"  # what --resume goes on in
         assert (tmp_path / "run-1" / "accuracy_vs_time.png").exists()
 
         # A node whose key the server does not know is refused, in the client's one line and in the server's log.
@@ -118,7 +125,7 @@ def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_ref
 
         # The server's machine crashes and comes back on the same port: the clients' SuperNodes rejoin.
         server.kill_tree()
-        server, _ = _start_server(certs, port, server_dir)
+        server, _, _ = _start_server(certs, port, server_dir)
         for client in clients:
             client.wait_for(f"joined 127.0.0.1:{port}")
         second = edgefl("run", *FAST, *remote, "--out", str(tmp_path / "run-2"), timeout=300)
@@ -136,7 +143,7 @@ def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_ref
 def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path) -> None:
     certs, other, port = tmp_path / "certs", tmp_path / "other", free_port()
     for folder in (certs, other):
-        assert edgefl("certs", "--out", str(folder)).returncode == 0
+        assert edgefl("certs", "--out", str(folder), "--submitters", "1").returncode == 0
     server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(tmp_path / "s"))
     try:
         server.wait_for("each device joins with")
@@ -144,8 +151,13 @@ def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path) -> None:
         client = edgefl("client", *wrong, "--partition-id", "0", "--num-partitions", "2", "--dataset", "digits",
                         "--out", str(tmp_path / "c"))  # fmt: skip
         _one_line_error(client, "does not verify")
-        run = edgefl("run", *FAST, "--federation", "remote", *wrong, "--out", str(tmp_path / "r"))
+        submitter = ["--submitter-cert", str(other / "submitter-0.pem")]
+        run = edgefl("run", *FAST, "--federation", "remote", *wrong, *submitter, "--out", str(tmp_path / "r"))
         _one_line_error(run, "does not verify")
+        # The server's CA but a submitter certificate another CA signed: the gateway refuses it, in one line.
+        right = ["--server", f"127.0.0.1:{port}", "--root-cert", str(certs / "ca.pem"), *submitter]
+        run = edgefl("run", *FAST, "--federation", "remote", *right, "--out", str(tmp_path / "r"))
+        _one_line_error(run, "refused submitter-0.pem")
     finally:
         assert server.interrupt() == 130
     for folder in ("s", "c", "r"):
@@ -183,6 +195,10 @@ CLIENT = ["client", "--insecure", "--num-partitions", "2", "--dataset", "digits"
             "cannot reach",
         ),
         (["run", *FAST, "--federation", "remote", "--server", "127.0.0.1:9"], "--root-cert"),
+        (
+            ["run", *FAST, "--federation", "remote", "--server", "127.0.0.1:9", "--root-cert", "ca.pem"],
+            "--submitter-cert",
+        ),
         (["run", *FAST, "--server", "127.0.0.1:9"], "are for --federation remote"),
         (["server", "--listen", "127.0.0.1:9", "--insecure", "--auth-keys", "a.pub"], "needs TLS"),
         (["server", "--listen", "127.0.0.1:9"], "--certs DIR"),

@@ -160,3 +160,21 @@ def test_a_pipelined_client_holds_two_messages_and_gets_a_new_global_model_at_on
     engine.receive(7, [_update([1, 1, 1, 1], 4)])  # round 4 needs round 1's model, which it holds
     engine.close_rounds(now=0)
     assert engine.next_request(7).global_round == 4
+
+
+def test_an_update_claiming_more_examples_than_its_partition_has_is_refused_not_counted() -> None:
+    """A weight of 10⁶ against partitions of 10 and 30 examples would make the mean that client's update: it is
+    refused with the reason (never clamped), still answers its round, and the round is the other client's alone.
+    A partition whose size is not known cannot have its weight checked: refused too."""
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=2, num_clients=2, partition_sizes={1: 10, 2: 30})
+    assert engine.next_request(1) is not None and engine.next_request(2) is not None
+    (inflated,) = engine.receive(1, [_update([100, 100, 100, 100], 1, n=10**6)])
+    assert inflated.invalid
+    assert inflated.reason == "num_examples 1000000 is more than partition 1's 10 training examples"
+    assert engine.receive(2, [_update([3, 3, 3, 3], 1, n=30)]) == []  # exactly its partition: counted
+    (closed,) = engine.close_rounds(now=0)
+    assert (closed.clients, closed.closed_by) == ([2], "all")
+    np.testing.assert_allclose(engine.global_params, [3, 3, 3, 3])
+    assert engine.next_request(3) is not None
+    (unknown,) = engine.receive(3, [_update([1, 1, 1, 1], 2, n=1)])
+    assert unknown.invalid and "size of partition 3 is not known" in unknown.reason

@@ -145,9 +145,13 @@ def test_the_agent_trains_only_the_rounds_its_partition_is_sampled_in() -> None:
     sampled = [t for t in range(1, 5) if partition in job.sampler().clients(t)]
     agent = EdgeAgent()
     try:
-        rounds = [u.round for u in agent.train(TrainInstruction(job.to_json(), 1, 4, broadcast), partition, 4).updates]
+        rounds = [
+            u.round for u in agent.train(TrainInstruction(job.to_json(), 1, 4, broadcast), partition, 4, 1).updates
+        ]
         while rounds[-1] < sampled[-1]:
-            rounds += [u.round for u in agent.train(TrainInstruction(job.to_json(), 1, 4, None), partition, 4).updates]
+            rounds += [
+                u.round for u in agent.train(TrainInstruction(job.to_json(), 1, 4, None), partition, 4, 1).updates
+            ]
     finally:
         agent.stop()
     assert rounds == sampled

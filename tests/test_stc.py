@@ -11,7 +11,15 @@ import pytest
 
 from strategies.codecs import MalformedUpdate, make_client_codec, parse_codec, server_compressor
 from strategies.codecs.base import dense_payload_size, layout_info
-from strategies.codecs.stc import STC_HEADER, rice_decode, rice_encode, rice_parameter, stc_payload_size
+from strategies.codecs.stc import (
+    STC_HEADER,
+    max_rice_bits,
+    max_stream_bits,
+    rice_decode,
+    rice_encode,
+    rice_parameter,
+    stc_payload_size,
+)
 from strategies.downlink import NO_BASE, BroadcastDecoder, BroadcastEncoder
 
 LAYOUT = (("conv", (16, 1, 3, 3)), ("fc", (64, 120)), ("bias", (64,)))
@@ -24,8 +32,7 @@ def test_rice_coder_matches_a_hand_worked_example() -> None:
     """Positions 2, 3, 9 → gaps 2, 0, 5; with b = 2: 2 = 0·4 + 2 → '0' '10'; 0 → '0' '00'; 5 = 1·4 + 1 →
     '10' '01'. Stream 0100001001, padded: 01000010 01000000 = 0x42 0x40."""
     assert rice_encode(np.array([2, 3, 9]), 2) == bytes([0x42, 0x40])
-    indices, used = rice_decode(bytes([0x42, 0x40, 0xFF]), 3, 2, 20, STYPE)
-    assert indices.tolist() == [2, 3, 9] and used == 2
+    assert rice_decode(bytes([0x42, 0x40]), 3, 2, 20, STYPE).tolist() == [2, 3, 9]
     assert rice_encode(np.array([0, 1, 5]), 0) == bytes([0b00111000])  # b = 0: gaps 0, 0, 3 → 0 0 1110
 
 
@@ -136,19 +143,44 @@ GOOD_STREAM = bytes([0x42, 0x40])  # positions 2, 3, 9 with b = 2
 @pytest.mark.parametrize(
     ("payload", "reason"),
     [
-        (stc_payload(3, 0.5, 2, GOOD_STREAM, b"\x00"), None),
-        (stc_payload(0, 0.5, 2, b"", b""), "k=0 entries"),
-        (stc_payload(3, float("nan"), 2, GOOD_STREAM, b"\x00"), "μ must be finite"),
-        (stc_payload(3, -1.0, 2, GOOD_STREAM, b"\x00"), "μ must be finite"),
-        (stc_payload(3, 0.5, 32, GOOD_STREAM, b"\x00"), "b=32 is above 31"),
-        (stc_payload(3, 0.5, 2, bytes([0x42, 0x41]), b"\x00"), "non-zero padding after the position codes"),
-        (stc_payload(3, 0.5, 2, GOOD_STREAM, b"\x01"), "non-zero padding after the sign bits"),
-        (stc_payload(3, 0.5, 2, GOOD_STREAM, b"\x00\x00"), "oversized payload"),
-        (stc_payload(3, 0.5, 2, GOOD_STREAM, b""), "truncated payload of 16 bytes"),
-        (stc_payload(3, 0.5, 2, b"\xff\xff\xff", b""), "runs past its end"),
-        (stc_payload(2, 0.5, 2, bytes([0xFF, 0xFF, 0xFE, 0x00]), b"\x00"), "out of range for P=20"),
-        (stc_payload(21, 0.5, 2, GOOD_STREAM, b"\x00"), "k=21 entries, expected 1..P=20"),
-        (stc_payload(15, 0.5, 7, GOOD_STREAM, b"\x00"), "15 position codes cannot fit"),
+        pytest.param(stc_payload(3, 0.5, 2, GOOD_STREAM, b"\x00"), None, id="valid"),
+        pytest.param(stc_payload(0, 0.5, 2, b"", b""), r"0 entries, expected 1\.\.20", id="k=0"),
+        pytest.param(stc_payload(21, 0.5, 2, GOOD_STREAM, b"\x00"), r"21 entries, expected 1\.\.20", id="k>P"),
+        pytest.param(stc_payload(3, float("nan"), 2, GOOD_STREAM, b"\x00"), "μ must be finite", id="mu-nan"),
+        pytest.param(stc_payload(3, float("inf"), 2, GOOD_STREAM, b"\x00"), "μ must be finite", id="mu-inf"),
+        pytest.param(stc_payload(3, -1.0, 2, GOOD_STREAM, b"\x00"), "μ must be finite", id="mu-negative"),
+        pytest.param(stc_payload(3, 0.5, 32, GOOD_STREAM, b"\x00"), "b=32 is above 3, the most 3 positions", id="b=32"),
+        pytest.param(stc_payload(3, 0.5, 4, GOOD_STREAM, b"\x00"), "b=4 is above 3", id="b>useful"),
+        pytest.param(
+            stc_payload(3, 0.5, 2, bytes([0x42, 0x41]), b"\x00"),
+            "non-zero padding after the position codes",
+            id="code-padding",
+        ),
+        pytest.param(
+            stc_payload(3, 0.5, 2, GOOD_STREAM, b"\x01"), "non-zero padding after the sign bits", id="sign-padding"
+        ),
+        pytest.param(
+            stc_payload(3, 0.5, 2, GOOD_STREAM, b"\x00\x00"),
+            "oversized payload of 18 bytes, 3 positions among P=20 coded with b=2 take at most 17",
+            id="oversized",
+        ),
+        pytest.param(
+            stc_payload(3, 0.5, 2, GOOD_STREAM, b""),
+            "truncated payload of 16 bytes, 3 positions coded with b=2 need at least 17",
+            id="truncated",
+        ),
+        pytest.param(
+            stc_payload(3, 0.5, 2, b"\xff\xff", b"\x00"), "position code 0 of 3 runs past its end", id="runs-past"
+        ),
+        pytest.param(stc_payload(1, 0.5, 2, b"\xf8", b"\x00"), "position 20 out of range for P=20", id="out-of-range"),
+        pytest.param(
+            stc_payload(1, 0.5, 0, bytes(3), b"\x00"),
+            "oversized payload: a byte or more after the 1 position codes",
+            id="bytes-after-codes",
+        ),
+        pytest.param(
+            stc_payload(1, 0.5, 0, bytes(70), b"\x00"), "oversized payload of 85 bytes, 1 positions", id="bomb"
+        ),
     ],
 )
 def test_decoder_refuses_malformed_payloads(payload: bytes, reason: str | None) -> None:
@@ -159,3 +191,22 @@ def test_decoder_refuses_malformed_payloads(payload: bytes, reason: str | None) 
         return
     with pytest.raises(MalformedUpdate, match=reason):
         decoder.decode(payload, TINY)
+
+
+@pytest.mark.parametrize("density", [1e-9, 1e-6, 0.001, 0.01, 0.1, 0.3, 0.5, 0.9])
+def test_the_encoder_never_uses_a_rice_parameter_the_decoder_refuses(density: float) -> None:
+    """A density below 1/P asks for b* above what one position among P can use: the encoder caps it (b=19 at
+    density 1e-6 would be refused on a 7,888-entry model, whose one position needs at most 13 bits)."""
+    u = np.random.default_rng(2).standard_normal(SIZE).astype(np.float32)
+    encoded = make_client_codec(parse_codec(f"stc:{density}"), LAYOUT, 0).encode(u, 1)
+    _, _, count, _, bits = STC_HEADER.unpack_from(encoded.payload)
+    assert bits <= max_rice_bits(count, SIZE) and bits == min(rice_parameter(density), max_rice_bits(count, SIZE))
+    np.testing.assert_array_equal(server_compressor(STYPE).decode(encoded.payload, LAYOUT), encoded.decoded)
+
+
+def test_stream_bound_is_what_the_worst_positions_take() -> None:
+    """``max_stream_bits`` is reached: the largest gaps (all of P − k in one) at every b the decoder accepts."""
+    for count in (1, 2, 7, 79, SIZE):
+        for bits in range(max_rice_bits(count, SIZE) + 1):
+            worst = np.concatenate((np.arange(count - 1), [SIZE - 1]))  # gaps 0, …, 0, P − k
+            assert len(rice_encode(worst, bits)) == math.ceil(max_stream_bits(count, bits, SIZE) / 8)

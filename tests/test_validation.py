@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,14 @@ def test_the_history_follows_accepted_norms_only() -> None:
     for _ in range(4):  # honest updates that shrink move the median with them (short history)
         assert check.check(np.full(SIZE, 0.01)) is None
     assert check.check(np.full(SIZE, 1.0)) is not None
+
+
+def test_a_finite_float32_update_too_large_to_square_in_float32_is_still_an_outlier() -> None:
+    check = NormOutlierFilter(norm_factor=10, min_history=1, norms=[1.0])
+    huge = np.full(SIZE, 1e30, np.float32)  # finite, but its float32 norm would be inf
+    reason = check.check(huge)
+    assert reason is not None and "L2 norm 2.236e+30 " in reason, reason
+    assert check.norms == deque([1.0])
 
 
 def test_dgas_alternating_honest_norms_pass_and_a_hundredfold_update_does_not() -> None:

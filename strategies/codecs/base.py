@@ -2,8 +2,11 @@
 
 Every payload starts with a little-endian struct header whose first two fields are the format version (uint8)
 and the update length P (uint32); each codec appends its own counts. Decoders check, in this order: header
-present, version, P against the layout, the payload is not larger than the dense float32 one, the exact size
-the header implies, then the contents (indices, codes, finiteness).
+present, version, P against the layout, the payload is not larger than the dense float32 one, the header's
+counts against the layout, the exact size the header implies, then the contents (indices, codes, finiteness).
+Nothing is allocated or computed by a count before it is checked, so a decoder's memory stays under 4x the dense
+model's and its time linear in the payload (PowerSGD's factor products: in the model's size times the rank,
+which the payload bounds).
 """
 
 from __future__ import annotations
@@ -137,6 +140,12 @@ def read_header(payload: bytes, header: struct.Struct, layout: Layout, stype: st
     if len(payload) > limit:
         raise MalformedUpdate(f"{stype}: payload of {len(payload)} bytes is larger than dense float32 ({limit} bytes)")
     return tuple(fields)
+
+
+def check_count(count: int, low: int, high: int, what: str, stype: str) -> None:
+    """A count read from a header must fit the layout; checked before anything is sized by it."""
+    if not low <= count <= high:
+        raise MalformedUpdate(f"{stype}: {count} {what}, expected {low}..{high} for this layout")
 
 
 def check_size(payload: bytes, expected: int, stype: str) -> None:

@@ -35,6 +35,7 @@ from strategies.codecs.base import (
     Layout,
     MalformedUpdate,
     Vector,
+    check_count,
     check_finite,
     check_size,
     checked_state,
@@ -202,6 +203,7 @@ class DGCCompressor(Compressor):
         """Validated sparse indices and values, and the dense values."""
         count, scale = read_header(payload, SPARSE_HEADER, layout, self.stype)
         info, plan = layout_info(layout), dgc_plan(layout)
+        check_count(count, 0, info.size - plan.dense_positions.size, "entries of the dim > 1 tensors", self.stype)
         sparse_bytes = sparse_values_bytes(count, info.size)
         check_size(payload, SPARSE_HEADER.size + sparse_bytes + 4 * plan.dense_positions.size, self.stype)
         indices, values = unpack_sparse(payload, SPARSE_HEADER.size, count, scale, info.size, self.stype)

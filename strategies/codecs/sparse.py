@@ -21,6 +21,7 @@ from strategies.codecs.base import (
     Layout,
     MalformedUpdate,
     Vector,
+    check_count,
     check_finite,
     check_scale,
     check_size,
@@ -122,6 +123,7 @@ class TopK(SparseCompressor):
     def _entries(self, payload: bytes, layout: Layout) -> tuple[Indices, Vector]:
         count, scale = read_header(payload, SPARSE_HEADER, layout, self.stype)
         size = layout_info(layout).size
+        check_count(count, 1, size, "entries", self.stype)
         check_size(payload, SPARSE_HEADER.size + sparse_values_bytes(count, size), self.stype)
         return unpack_sparse(payload, SPARSE_HEADER.size, count, scale, size, self.stype)
 
@@ -147,6 +149,7 @@ class Threshold(SparseCompressor):
     def _entries(self, payload: bytes, layout: Layout) -> tuple[Indices, Vector]:
         count, tau = read_header(payload, SPARSE_HEADER, layout, self.stype)
         size = layout_info(layout).size
+        check_count(count, 0, size, "entries", self.stype)
         index_bytes = count * index_dtype(size).itemsize
         check_size(payload, SPARSE_HEADER.size + index_bytes + math.ceil(count / 8), self.stype)
         check_scale(tau, "threshold τ", self.stype)

@@ -1,0 +1,577 @@
+"""A hostile device in a real federation, and a stranger at the server's door.
+
+A real 4-client deployment on the namespaced testbed (``--profile lan``: the SuperLink on the server namespace's
+loopback behind the gateway, each device in a namespace of its own), run twice with the same seed: clean, and
+with client 3 hostile (``bench/hostile_agent.py``: edgefl's own agent whose replies carry attacks). The hostile
+device is honest in round 1 and in every ``--honest-every``-th round after it and attacks in the others, one
+attack per reply: overflowing and non-finite fields, inflated weights, replayed and future rounds, malformed and
+oversized payloads of every codec's wire type, decoder bombs, non-finite values, replies for messages it was
+not sent. Meanwhile a stranger in its network namespace tries the server's Control and ServerAppIo APIs through
+the gateway, every other port the server namespace listens on, and Flower's own ``flwr supernode register``,
+``flwr ls`` and ``flwr run``. Criteria: every round completes; every attack is refused, with the server's
+reason; the final accuracy (the mean of the last 3 evaluations) is within 1 point of the clean run's; the
+server's peak RSS (VmHWM, the sum of SuperLink, SuperExec and ServerApp) is within 20 % of the clean run's; the
+stranger is refused everywhere. ``--list`` shows the attacks; one is left out unless named (``--attacks``): a
+reply over the gateway's body cap, which holds every later round to its deadline.
+
+    python bench/hostile_clients.py [--rounds N] [--honest-every 2] [--attacks NAME,NAME] [--no-clean]
+        [--dataset digits] [--local-steps 5] [--out runs/bench-hostile-clients]
+
+Writes OUT/result.md and OUT/result.json (``attacks_tried``, ``attacks_refused``, ``rounds``,
+``rounds_completed``, ``accuracy_delta_points``, ``stranger_refused``, ``server_peak_rss_mb``, and a row per
+attack and per probe); the two runs' folders are OUT/clean and OUT/hostile (the attacks sent:
+OUT/hostile/attacks.jsonl)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from hostile_agent import ATTACKS, FINAL, FORGED, Plan, rounds_needed, schedule
+from results import write_result
+
+from contract.run_folder import MESSAGES, SUMMARY, read_rounds
+from contract.settings import RunConfig, build_config
+from edgefl.certs import make_node_keys
+from edgefl.launcher import (
+    FEDERATION,
+    LocalFederation,
+    _flower_env,
+    app_project,
+    device_caps,
+    placement_for,
+    run_flwr,
+    run_on,
+    write_flwr_home,
+)
+from edgefl.processes import LaunchError, ProcessGroup, interrupt_on_signals, process_tree
+
+HOSTILE_AGENT = Path(__file__).resolve().parent / "hostile_agent.py"
+CLIENTS = 4
+ATTACKER, VICTIM = 3, 0  # the hostile device, and the device whose messages it answers in its forged replies
+WINDOW = 3  # evaluations averaged: a run's final accuracy
+SERVER_ROLES = {"flower-superlink": "SuperLink", "flower-superexec": "SuperExec", "flwr-serverapp": "ServerApp"}
+RSS_POLL_S = 0.2
+
+# The stranger's requests, from its namespace: for each [port, path], "tcp" connects to the port; a path is POSTed
+# over TLS (the server's CA: it is public, every device has it) with no client certificate. A JSON line each.
+PROBE = """
+import http.client, json, socket, ssl, sys
+host, ca, probes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+for port, path in probes:
+    try:
+        if path == "tcp":
+            socket.create_connection((host, port), timeout=5).close()
+            print(json.dumps({"status": "connected"}))
+            continue
+        conn = http.client.HTTPSConnection(host, port, context=ssl.create_default_context(cafile=ca), timeout=10)
+        conn.request("POST", path, body=b"", headers={"Content-Type": "application/protobuf"})
+        response = conn.getresponse()
+        body = response.read().decode(errors="replace").strip()
+        print(json.dumps({"status": response.status, "body": body.splitlines()[0][:160] if body else ""}))
+    except (OSError, ssl.SSLError) as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+"""
+HTTP_PROBES = {
+    "Control API: list runs (flwr ls)": "/v1/control/list-runs",
+    "Control API: start a run (flwr run)": "/v1/control/start-run",
+    "Control API: stop a run": "/v1/control/stop-run",
+    "Control API: stream a run's logs": "/v1/control/stream-logs",
+    "ServerAppIo: claim the ServerApp's task": "/v1/runtime/acquire-task",
+    "ServerAppIo: list the nodes": "/v1/runtime/get-nodes",
+    "ServerAppIo: pull the devices' replies": "/v1/runtime/pull-messages",
+    "ServerAppIo: push messages to devices": "/v1/runtime/push-messages",
+    "path trick: /v1/fleet/../control/": "/v1/fleet/../control/list-runs",
+    "path trick: /v1/fleet/%2e%2e/control/": "/v1/fleet/%2e%2e/control/list-runs",
+    "path trick: /v1/fleet/..%2fcontrol/": "/v1/fleet/..%2fcontrol/list-runs",
+}
+
+
+class WithHostileAgent(ProcessGroup):
+    """A federation's processes, client ATTACKER's agent started as the hostile agent (the same arguments, with
+    ``bench/hostile_agent.py --plan PLAN`` in place of ``-m fl_client.node``)."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], plan: Path) -> None:
+        super().__init__(log_dir, env)
+        self.plan = plan
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        if name == f"agent-{ATTACKER}":
+            at = argv.index("fl_client.node")
+            argv = [*argv[: at - 1], str(HOSTILE_AGENT), "--plan", str(self.plan), *argv[at + 1 :]]
+        return super().start(name, argv)
+
+
+@contextlib.contextmanager
+def federation(
+    config: RunConfig, plan: Path | None, progress: Callable[[str], None]
+) -> Iterator[tuple[LocalFederation, str]]:
+    """``edgefl.launcher.local_federation`` for ``config`` (home: its run folder), with the hostile agent when
+    ``plan`` is given; yields it and the address devices dial (the gateway's)."""
+    home = Path(config.out).resolve()
+    with placement_for(config) as place, contextlib.ExitStack() as stack:
+        caps, devices = device_caps(config, stack, progress)
+        config = dataclasses.replace(config, link_backend=place.backend, device_backend=devices)
+        logs, env = home / "logs", _flower_env(home)
+        with WithHostileAgent(logs, env, plan) if plan else ProcessGroup(logs, env) as procs:
+            fed = LocalFederation(config, home, place, procs, caps)
+            yield fed, fed.start()
+
+
+class PeakRss(threading.Thread):
+    """Polls the peak RSS (VmHWM) of the SuperLink and its descendants (SuperExec, the ServerApp) until stopped:
+    the highest seen of each role, in MB."""
+
+    def __init__(self, superlink_pid: int) -> None:
+        super().__init__(daemon=True, name="peak-rss")
+        self.root = superlink_pid
+        self.peaks: dict[str, float] = {}
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(RSS_POLL_S):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in process_tree([self.root]):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            role = next((role for name, role in SERVER_ROLES.items() if name in command), None)
+            found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+            if role and found:
+                self.peaks[role] = max(self.peaks.get(role, 0.0), int(found.group(1)) / 1024)
+
+    def result(self) -> dict[str, float]:
+        self.halt.set()
+        self.join()
+        self.sample()
+        return {**{role: round(self.peaks.get(role, 0.0), 1) for role in SERVER_ROLES.values()},
+                "sum": round(sum(self.peaks.values()), 1)}  # fmt: skip
+
+
+class Stranger(threading.Thread):
+    """Someone in the hostile device's network namespace who is no submitter: once the run has closed its first
+    round, tries every API but the Fleet API through the gateway, every other port the server namespace listens
+    on, and Flower's CLI. ``probes``: what each try got, and whether it was refused."""
+
+    def __init__(self, fed: LocalFederation, gateway: str, run_dir: Path) -> None:
+        super().__init__(daemon=True, name="stranger")
+        self.fed, self.gateway, self.run_dir = fed, gateway, run_dir
+        self.prefix = fed.place.client_prefixes[ATTACKER]
+        self.probes: list[dict[str, Any]] = []
+        self.error = ""
+        self.halt = threading.Event()  # the run is over
+
+    def run(self) -> None:
+        try:
+            while not read_rounds(self.run_dir):
+                if self.halt.wait(0.2):
+                    self.error = "the run closed no round"
+                    return
+            self.try_everything()
+        except Exception as exc:  # the bench reports it: no probe result is not "refused"
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def try_everything(self) -> None:
+        host, port = self.gateway.rsplit(":", 1)
+        ca = self.fed.certs.ca if self.fed.certs else Path()
+        probes = [(name, int(port), path) for name, path in HTTP_PROBES.items()]
+        for listening in self._server_ports():
+            if listening != int(port):
+                probes.append((f"the server namespace's port {listening} (not the gateway's)", listening, "tcp"))
+        self._requests(host, ca, probes)
+        home = self.run_dir / ".stranger"
+        env = _flower_env(home)
+        write_flwr_home(Path(env["FLWR_HOME"]), self.gateway, ca)
+        key = make_node_keys(home / "keys", 1)[0].with_suffix(".pub")
+        app = home / "app"
+        app.mkdir(parents=True, exist_ok=True)
+        (app / "pyproject.toml").write_text(tomli_w.dumps(app_project("edgefl", self.fed.config, None)))
+        for name, args in (("flwr supernode register (its own node key)", ["supernode", "register", str(key)]),
+                           ("flwr ls", ["ls"]), ("flwr run (its own ServerApp)", ["run", str(app)])):  # fmt: skip
+            try:
+                answer = run_flwr([*args, FEDERATION], env, self.prefix)
+                self.probes.append({"probe": name, "answer": json.dumps(answer)[:160], "refused": False})
+            except LaunchError as exc:
+                self.probes.append({"probe": name, "answer": str(exc)[:200], "refused": True})
+
+    def _requests(self, host: str, ca: Path, probes: list[tuple[str, int, str]]) -> None:
+        """The PROBE requests, from the stranger's namespace."""
+        wanted = json.dumps([[port, path] for _, port, path in probes])
+        argv = [*self.prefix, sys.executable, "-c", PROBE, host, str(ca), wanted]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        if len(answers) != len(probes):
+            raise RuntimeError(f"the probes from the stranger's namespace failed: {done.stderr.strip()[-300:]}")
+        for (name, _, _), answer in zip(probes, answers, strict=True):
+            status = answer.get("status")
+            refused = "error" in answer or (isinstance(status, int) and status >= 400)
+            text = answer.get("error") or f"{status} {answer.get('body', '')}".strip()
+            self.probes.append({"probe": name, "answer": text, "refused": refused})
+
+    def _server_ports(self) -> list[int]:
+        """The TCP ports something listens on in the server's namespace."""
+        argv = [*self.fed.place.server_prefix, "cat", "/proc/net/tcp", "/proc/net/tcp6"]
+        lines = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.splitlines()
+        listening = {int(f[1].rsplit(":", 1)[1], 16) for line in lines if len(f := line.split()) > 3 and f[3] == "0A"}
+        return sorted(listening)
+
+
+MEASURED = "measured.json"  # what a run folder does not hold: the server's peak RSS, the stranger's tries, the error
+
+
+@dataclasses.dataclass
+class Run:
+    """One run as measured: its rounds, messages, the server's peak RSS, its error if it failed, and the stranger's
+    tries (the hostile run's)."""
+
+    folder: Path
+    rows: list[dict[str, Any]]
+    messages: list[dict[str, Any]]
+    peak_rss_mb: dict[str, float]
+    error: str = ""
+    probes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    stranger_error: str = ""
+
+    @classmethod
+    def load(cls, folder: Path) -> Run:
+        measured = json.loads((folder / MEASURED).read_text())
+        return cls(folder, read_rounds(folder), read_rounds(folder, MESSAGES), **measured)
+
+    @property
+    def final_accuracy(self) -> float | None:
+        """The mean of the last WINDOW evaluations."""
+        accuracies = [r["test_accuracy"] for r in self.rows if r["test_accuracy"] is not None][-WINDOW:]
+        return sum(accuracies) / len(accuracies) if accuracies else None
+
+    @property
+    def seconds_per_round(self) -> float | None:
+        return self.rows[-1]["wall_s"] / len(self.rows) if self.rows else None
+
+
+def run_federation(config: RunConfig, plan: Plan | None, progress: Callable[[str], None]) -> None:
+    """Run ``config`` on a fresh federation (the hostile agent in it when ``plan`` is given, and the stranger
+    knocking), into its folder; what the folder would not hold goes to its MEASURED."""
+    run_dir = Path(config.out).resolve()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    plan_file = None
+    if plan:
+        plan_file = run_dir / "plan.json"
+        plan.save(plan_file)
+    error = ""
+    with federation(config, plan_file, progress) as (fed, gateway):
+        rss = PeakRss(dict(fed.procs.procs)["superlink"].pid)
+        rss.start()
+        stranger = Stranger(fed, gateway, run_dir) if plan else None
+        if stranger:
+            stranger.start()
+        try:
+            run_on(fed, config, progress)
+        except LaunchError as exc:
+            if plan is None:
+                raise
+            error = str(exc)
+            progress(f"the hostile run failed: {error}")
+        finally:
+            peak = rss.result()
+            if stranger:
+                stranger.halt.set()
+                stranger.join()
+    measured = {"peak_rss_mb": peak, "error": error, "probes": stranger.probes if stranger else [],
+                "stranger_error": stranger.error if stranger else ""}  # fmt: skip
+    (run_dir / MEASURED).write_text(json.dumps(measured, indent=1))
+
+
+# ----- what the server made of each attack ---------------------------------------------------------------------
+def attack_outcomes(run: Run) -> list[dict[str, Any]]:
+    """A row per attack in the hostile device's log: its round, whether the server (or the SuperLink before it)
+    refused it, and the reason. The server's refusals are matched to the attacks in order: each reply of the
+    hostile device (partition ATTACKER) it refuses is a ``rejected`` entry of the round it closes in, and an
+    honest reply is refused nothing; an attack answering a round its partition then counts in was taken."""
+    log = [json.loads(line) for line in _read(run.folder / "attacks.jsonl").splitlines()]
+    server_log = _read(run.folder / "server.log")
+    superlink_log = _read(run.folder / "logs" / "superlink.log")
+    settled = {m["message_id"] for m in run.messages}
+    rows = {r["round"]: r for r in run.rows}
+    rejections = [(r["round"], x) for r in run.rows for x in r["rejected"] if x["client"] == ATTACKER]
+    sent = [e for e in log if "skipped" not in e and e["delivery"] != FORGED]
+    honest_rounds = {e["round"] for e in sent if e["attack"] == "honest"}
+    last_of_round = {e["round"]: e for e in sent}
+    outcomes = []
+    for entry in log:
+        round_, name = entry["round"], entry["attack"]
+        row = {"round": round_, "attack": name, "delivery": entry["delivery"]}
+        if name == "honest":
+            continue
+        if "skipped" in entry:
+            outcomes.append({**row, "sent": False, "refused": None, "by": "—", "reason": entry["skipped"]})
+            continue
+        if entry["delivery"] == FORGED:
+            outcomes.append({**row, "sent": True, **_forged_outcome(entry, run, superlink_log)})
+            continue
+        closed = rows.get(round_)
+        taken = (
+            entry is last_of_round[round_]
+            and round_ not in honest_rounds
+            and closed is not None
+            and ATTACKER in closed["clients"]
+        )
+        if taken:
+            outcomes.append({**row, "sent": True, "refused": False, "by": "—",
+                             "reason": f"TAKEN: round {round_} counts partition {ATTACKER}'s update"})  # fmt: skip
+        elif entry["answers"] not in settled:
+            outcomes.append({**row, "sent": True, "refused": True, "by": "before the server",
+                             "reason": "the server never received it (no reply to its message settled)"})  # fmt: skip
+        elif rejections:
+            closed_in, rejection = rejections.pop(0)
+            where = "server.log, rounds.jsonl" if rejection["reason"] in server_log else "rounds.jsonl"
+            note = "" if closed_in == round_ else f" (matched in round {closed_in}'s row: check)"
+            outcomes.append({**row, "sent": True, "refused": True, "by": f"server ({where})",
+                             "reason": rejection["reason"] + note})  # fmt: skip
+        else:
+            outcomes.append({**row, "sent": True, "refused": False, "by": "—",
+                             "reason": "no refusal of it in rounds.jsonl"})  # fmt: skip
+    return outcomes
+
+
+def _forged_outcome(entry: dict[str, Any], run: Run, superlink_log: str) -> dict[str, Any]:
+    """A forged reply reached the server when it settled a message with it (its marked training time), and was taken
+    unless the server refused an update of that partition in that round; else the SuperLink's log line about it,
+    if it wrote one."""
+    settled = [m for m in run.messages if abs(m["train_s"] - entry["marker"]) < 1e-6]
+    if settled:
+        trip = settled[0]
+        row = next((r for r in run.rows if r["round"] == entry["round"]), {"rejected": []})
+        refusals = [x["reason"] for x in row["rejected"] if x["client"] == trip["partition"]]
+        if refusals:
+            return {"refused": True, "by": "server", "reason": refusals[0]}
+        said = [line for line in superlink_log.splitlines() if entry["target"] in line]
+        then = f"; that node's own reply: {_strip_ansi(said[0]).strip()}" if said else ""
+        return {"refused": False, "by": "—", "reason": f"TAKEN: the server counted it as node {trip['node']}'s "
+                f"reply (partition {trip['partition']}, round {entry['round']}){then}"}  # fmt: skip
+    said = [line.strip() for line in superlink_log.splitlines() if entry["target"] in line]
+    reason = _strip_ansi(said[0]) if said else "not stored: the SuperLink wrote no line about it"
+    return {"refused": True, "by": "SuperLink", "reason": reason}
+
+
+def _strip_ansi(text: str) -> str:
+    """A log line without its colour codes and runs of blanks."""
+    return " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+# ----- the result ----------------------------------------------------------------------------------------------
+def met(ok: bool) -> str:
+    return "met" if ok else "**NOT met**"
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def report(
+    config: RunConfig, plan: Plan, clean: Run | None, hostile: Run, outcomes: list[dict[str, Any]]
+) -> tuple[str, dict[str, Any]]:
+    """result.md's text and result.json's figures."""
+    probes, stranger_error = hostile.probes, hostile.stranger_error
+    tried = [o for o in outcomes if o["sent"]]
+    refused = [o for o in tried if o["refused"]]
+    deadline_rounds = [r["round"] for r in hostile.rows if r["closed_by"] != "all"]
+    completed = len(hostile.rows) if (hostile.folder / SUMMARY).exists() else 0
+    stranger_refused = bool(probes) and not stranger_error and all(p["refused"] for p in probes)
+    delta = ratio = None
+    if clean and clean.final_accuracy is not None and hostile.final_accuracy is not None:
+        delta = 100 * (hostile.final_accuracy - clean.final_accuracy)
+    if clean and clean.peak_rss_mb["sum"]:
+        ratio = hostile.peak_rss_mb["sum"] / clean.peak_rss_mb["sum"]
+    figures = {
+        "rounds": config.rounds,
+        "rounds_completed": completed,
+        "rounds_closed_by_deadline": deadline_rounds,
+        "attacks_tried": len(tried),
+        "attacks_refused": len(refused),
+        "attacks_not_sent": [o["attack"] for o in outcomes if not o["sent"]],
+        "accuracy": {"clean": clean.final_accuracy if clean else None, "hostile": hostile.final_accuracy},
+        "accuracy_delta_points": delta,
+        "seconds_per_round": {
+            "clean": clean.seconds_per_round if clean else None,
+            "hostile": hostile.seconds_per_round,
+        },
+        "server_peak_rss_mb": {"clean": clean.peak_rss_mb if clean else None, "hostile": hostile.peak_rss_mb},
+        "server_peak_rss_ratio": ratio,
+        "stranger_refused": stranger_refused,
+        "hostile_run_error": hostile.error or None,
+        "stranger_error": stranger_error or None,
+        "attacks": outcomes,
+        "stranger": probes,
+    }
+    ok = {
+        "rounds": completed == config.rounds and not hostile.error and not deadline_rounds,
+        "attacks": bool(tried) and len(refused) == len(tried),
+        "accuracy": delta is not None and abs(delta) <= 1,
+        "rss": ratio is not None and ratio <= 1.2,
+        "stranger": stranger_refused,
+    }
+    clean_acc = f"{clean.final_accuracy:.4f}" if clean and clean.final_accuracy is not None else "— (no clean run)"
+    hostile_acc = f"{hostile.final_accuracy:.4f}" if hostile.final_accuracy is not None else "—"
+    rss_clean = f"{clean.peak_rss_mb['sum']:.0f}" if clean else "—"
+    lines = [
+        f"# A hostile device and a stranger: {config.dataset} ({config.partition}), {CLIENTS} clients, "
+        f"{config.strategy}, {config.rounds} rounds of {config.local_steps} local steps, link {config.profile}, "
+        f"seed {config.seed}; client {ATTACKER} attacks in rounds {_ranges(sorted(plan.rounds))}",
+        "",
+        "| criterion | measured | |",
+        "|---|---|---|",
+        f"| every round completes, none held to its deadline | {completed} of {config.rounds}"
+        + (f"; closed by the deadline: rounds {deadline_rounds}" if deadline_rounds else "; each closed by all four")
+        + (f"; {_cell(hostile.error)}" if hostile.error else "")
+        + f" | {met(ok['rounds'])} |",
+        f"| every attack refused, with its reason | {len(refused)} of {len(tried)} | {met(ok['attacks'])} |",
+        f"| final accuracy (mean of the last {WINDOW} evaluations) within 1 point of the clean run | {hostile_acc} vs "
+        f"{clean_acc}" + (f" ({delta:+.2f} points)" if delta is not None else "") + f" | {met(ok['accuracy'])} |",
+        f"| server peak RSS (SuperLink + SuperExec + ServerApp) within 20 % | {hostile.peak_rss_mb['sum']:.0f} MB vs "
+        f"{rss_clean} MB" + (f" ({100 * (ratio - 1):+.1f} %)" if ratio is not None else "") + f" | {met(ok['rss'])} |",
+        f"| the stranger refused | {sum(p['refused'] for p in probes)} of {len(probes)} tries"
+        + (f"; its probing failed: {_cell(stranger_error)}" if stranger_error else "")
+        + f" | {met(ok['stranger'])} |",
+        "",
+        f"All at once: {met(all(ok.values()))}. Seconds per round: hostile "
+        f"{_seconds(hostile.seconds_per_round)}, clean {_seconds(clean.seconds_per_round if clean else None)}.",
+        "",
+        f"## The attacks (client {ATTACKER}; `{hostile.folder.name}/attacks.jsonl`)",
+        "",
+        "| round | attack | how | refused | by | reason |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {o['round']} | {_cell(o['attack'])} | {o['delivery']} | {_refused(o)} | {o['by']} | "
+            f"{_cell(o['reason'])} |"
+            for o in outcomes
+        ),
+        "",
+        f"## The stranger (in client {ATTACKER}'s network namespace, no client certificate)",
+        "",
+        "| try | answer | refused |",
+        "|---|---|---|",
+        *(f"| {_cell(p['probe'])} | {_cell(p['answer'])} | {'yes' if p['refused'] else '**NO**'} |" for p in probes),
+        "",
+        "## The server's peak RSS (VmHWM, MB)",
+        "",
+        "| process | clean | hostile |",
+        "|---|---|---|",
+        *(
+            f"| {role} | {clean.peak_rss_mb[role] if clean else '—'} | {hostile.peak_rss_mb[role]} |"
+            for role in [*SERVER_ROLES.values(), "sum"]
+        ),
+    ]
+    return "\n".join(lines), figures
+
+
+def _ranges(rounds: list[int]) -> str:
+    """1, 3, 5, ..., 75 for an arithmetic sequence of more than four; else the list."""
+    steps = {b - a for a, b in itertools.pairwise(rounds)}
+    if len(rounds) > 4 and len(steps) == 1:
+        return f"{rounds[0]}, {rounds[1]}, {rounds[2]}, ..., {rounds[-1]}"
+    return ", ".join(map(str, rounds))
+
+
+def _refused(outcome: dict[str, Any]) -> str:
+    return "not sent" if not outcome["sent"] else "yes" if outcome["refused"] else "**NO**"
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", default="lan", help="a link profile with a testbed (not loopback)")
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--partition", default="iid")
+    parser.add_argument("--rounds", type=int, help="default: the fewest that give each FINAL attack a round")
+    parser.add_argument("--honest-every", type=int, default=2, help="round 1 and every K-th after it are honest")
+    parser.add_argument("--local-steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attacks", help="comma-separated attack names (default: all but those --list marks)")
+    parser.add_argument("--list", action="store_true", help="list the attacks and exit")
+    parser.add_argument("--no-clean", action="store_true", help="the hostile run only (no accuracy or RSS check)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-hostile-clients"))
+    parser.add_argument("--report-only", action="store_true", help="no runs: the result from the run folders")
+    args = parser.parse_args()
+    if args.list:
+        print(
+            "\n".join(
+                f"{a.delivery:6}  {name}{'' if a.default else '  (not by default)'}" for name, a in ATTACKS.items()
+            )
+        )
+        return 0
+    names = (
+        [n.strip() for n in args.attacks.split(",")] if args.attacks else [n for n, a in ATTACKS.items() if a.default]
+    )
+    if unknown := [n for n in names if n not in ATTACKS]:
+        print(f"unknown attacks {unknown}; --list shows them", file=sys.stderr)
+        return 2
+    if args.honest_every < 2:
+        print("--honest-every must be at least 2 (round 1 and every K-th after it are honest)", file=sys.stderr)
+        return 2
+    rounds = args.rounds or rounds_needed(names, args.honest_every)
+    try:
+        plan_rounds = schedule(names, rounds, args.honest_every)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    interrupt_on_signals()
+    out = args.out.resolve()
+
+    def config_for(name: str) -> RunConfig:
+        return build_config(None, dataset=args.dataset, partition=args.partition, clients=CLIENTS, rounds=rounds,
+                            local_steps=args.local_steps, seed=args.seed, profile=args.profile,
+                            out=str(out / name))  # fmt: skip
+
+    def progress(line: str) -> None:
+        print("   " + line, flush=True)
+
+    config = config_for("hostile")
+    run_dir = Path(config.out).resolve()
+    plan = Plan(plan_rounds, run_dir / "attacks.jsonl", run_dir / "logs" / f"supernode-{VICTIM}.log",
+                run_dir / "logs" / f"agent-{VICTIM}.log")  # fmt: skip
+    if not args.report_only:
+        finals = sum(ATTACKS[n].delivery == FINAL for n in names)
+        print(f"{len(names)} attacks ({finals} that answer a round) in {len(plan_rounds)} of {rounds} rounds")
+        runs = [] if args.no_clean else [("clean", f"client {ATTACKER} honest throughout", None)]
+        runs.append(("hostile", f"client {ATTACKER} attacks", plan))
+        for i, (name, what, with_plan) in enumerate(runs, 1):
+            print(f"== [{i}/{len(runs)}] {name}: {what}", flush=True)
+            run_federation(config_for(name), with_plan, progress)
+    else:
+        config, plan = build_config(run_dir / "config.toml"), Plan.load(run_dir / "plan.json")
+    clean = None if args.no_clean or not (out / "clean" / MEASURED).exists() else Run.load(out / "clean")
+    hostile = Run.load(run_dir)
+    text, figures = report(config, plan, clean, hostile, attack_outcomes(hostile))
+    write_result(out, text, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

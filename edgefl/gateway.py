@@ -1,0 +1,226 @@
+"""The server's one door to the network, and the submitter's key to it.
+
+Flower 1.41's SuperLink serves its Fleet API (devices), its Control API (``flwr run``, ``flwr supernode
+register``) and its ServerAppIo API (the ServerApp) on one port, and the Control API authenticates nobody
+unless Flower's enterprise user authentication is set up: whoever reaches the port can register a node key
+and run code on the server. So the SuperLink listens on the server's loopback only and nginx faces the network
+(:class:`Gateway`):
+
+- ``/v1/fleet/*`` is passed on: devices join with Flower's TLS (and node authentication) as before;
+- ``/v1/control/*`` only over TLS with a client certificate the server's CA signed for a submitter
+  (``edgefl certs --submitters N``; the server's own certificate is not one: it is for server use only);
+- everything else, the ServerAppIo API ``/v1/runtime/*`` included, is refused with 403 and its reason.
+
+Flower's CLI presents no client certificate, so ``edgefl run --federation remote`` opens a local stunnel on
+the submitting machine (:func:`open_submit_tunnel`) that presents the submitter's certificate, verifies the
+server's, and carries ``flwr run`` and ``flwr log --stream`` alike."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from contract.settings import parse_address
+from edgefl.certs import ServerCerts
+from edgefl.processes import LaunchError, ProcessGroup, free_port, tail
+
+STARTUP_TIMEOUT_S = 30.0
+CONTROL_REFUSED = "the Control API takes a submitter certificate signed by this server's CA"
+OTHER_REFUSED = "only the Fleet API (/v1/fleet/) is served to the network"
+# Flower splits a message into objects of at most 5 MiB, one HTTP request each (flwr.common.inflatable).
+MAX_BODY = "16m"
+
+
+def _binary(*names: str) -> str:
+    """The first of ``names`` on PATH or in /usr/sbin (not on a normal user's PATH)."""
+    for name in names:
+        found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+        if found:
+            return found
+    raise LaunchError(f"{names[0]} is not installed: run ./install.sh (it installs nginx-light and stunnel4)")
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """nginx on ``listen_host:listen_port`` passing only the Fleet API (and, with a submitter certificate, the
+    Control API) to the SuperLink on this host's ``127.0.0.1:superlink_port``; TLS with ``certs``."""
+
+    listen_host: str
+    listen_port: int
+    superlink_port: int
+    certs: ServerCerts | None  # None: plain text, Fleet API only (the Control API is never served then)
+    superlink_tls: bool = False  # the SuperLink serves TLS with ``certs`` too (Flower's node authentication needs it)
+
+    def config(self, folder: Path) -> str:
+        """nginx's configuration, with every file it writes inside ``folder``."""
+        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
+        upstream, upstream_tls = "http://superlink", ""
+        if self.superlink_tls and self.certs:  # its certificate names localhost (edgefl.certs.ALWAYS_HOSTS)
+            upstream = "https://superlink"
+            upstream_tls = f"""
+    proxy_ssl_trusted_certificate {self.certs.ca.resolve()};
+    proxy_ssl_verify on;
+    proxy_ssl_name localhost;
+    proxy_ssl_session_reuse on;"""
+        if self.certs:
+            listen = f"listen {host}:{self.listen_port} ssl;"
+            tls = f"""
+        ssl_certificate {self.certs.cert.resolve()};
+        ssl_certificate_key {self.certs.key.resolve()};
+        ssl_client_certificate {self.certs.ca.resolve()};
+        ssl_verify_client optional;
+        ssl_verify_depth 1;"""
+            control = f"""
+        location /v1/control/ {{
+            if ($ssl_client_verify != SUCCESS) {{ return 403 "{CONTROL_REFUSED} ($ssl_client_verify)\\n"; }}
+            proxy_pass {upstream};
+        }}"""
+        else:
+            listen, tls = f"listen {host}:{self.listen_port};", ""
+            control = f"""
+        location /v1/control/ {{ return 403 "{CONTROL_REFUSED}; this server runs without TLS\\n"; }}"""
+        return f"""\
+daemon off;
+worker_processes 1;
+pid {folder}/nginx.pid;
+error_log {folder}/error.log notice;
+events {{ worker_connections 512; }}
+http {{
+    log_format door '$time_iso8601 $remote_addr "$request" $status $body_bytes_sent '
+                    'client-cert=$ssl_client_verify "$ssl_client_s_dn"';
+    access_log {folder}/access.log door;
+    client_body_temp_path {folder}/tmp/body;
+    proxy_temp_path {folder}/tmp/proxy;
+    fastcgi_temp_path {folder}/tmp/fastcgi;
+    uwsgi_temp_path {folder}/tmp/uwsgi;
+    scgi_temp_path {folder}/tmp/scgi;
+    client_max_body_size {MAX_BODY};
+    client_body_buffer_size {MAX_BODY};
+    proxy_request_buffering off;
+    proxy_buffering off;
+    proxy_http_version 1.1;
+    proxy_set_header Connection "";
+    proxy_read_timeout 1h;
+    proxy_send_timeout 1h;{upstream_tls}
+    default_type text/plain;
+    server_tokens off;
+    upstream superlink {{ server 127.0.0.1:{self.superlink_port}; keepalive 16; }}
+    server {{
+        {listen}{tls}
+        location /v1/fleet/ {{ proxy_pass {upstream}; }}{control}
+        location / {{ return 403 "{OTHER_REFUSED}\\n"; }}
+    }}
+}}
+"""
+
+    def start(self, procs: ProcessGroup, prefix: tuple[str, ...] = ()) -> Path:
+        """Start nginx in ``procs`` (inside ``prefix``, e.g. a network namespace) and return once it listens;
+        returns its folder (``access.log``: every request, with its status and client certificate)."""
+        nginx = _binary("nginx")
+        folder = procs.log_dir / "gateway"
+        (folder / "tmp").mkdir(parents=True, exist_ok=True)
+        (folder / "nginx.pid").unlink(missing_ok=True)
+        conf = folder / "nginx.conf"
+        conf.write_text(self.config(folder))
+        argv = [nginx, "-p", str(folder), "-e", str(folder / "error.log"), "-c", str(conf)]
+        procs.start("gateway", [*prefix, *argv])
+        # nginx writes its pid file once its listening sockets are open (a failed bind ends the process first).
+        try:
+            procs.wait_until("the gateway (nginx)", (folder / "nginx.pid").exists, STARTUP_TIMEOUT_S)
+        except LaunchError:
+            raise LaunchError(
+                f"nginx could not serve {self.listen_host}:{self.listen_port}: {tail(folder / 'error.log', 1)}"
+            ) from None
+        return folder
+
+
+@dataclass(frozen=True)
+class Submitter:
+    """A submitter's certificate and key (``submitter-I.pem`` / ``.key`` from ``edgefl certs --submitters``)."""
+
+    cert: Path
+    key: Path
+
+    @classmethod
+    def from_cert(cls, cert: Path) -> Submitter:
+        """The certificate and the key beside it (same name, ``.key``)."""
+        submitter = cls(cert.resolve(), cert.resolve().with_suffix(".key"))
+        for path in (submitter.cert, submitter.key):
+            if not path.is_file():
+                raise LaunchError(
+                    f"{path} does not exist: make submitter certificates with edgefl certs --submitters N"
+                )
+        return submitter
+
+
+def _tunnel_config(server: str, ca: Path, submitter: Submitter, local_port: int) -> str:
+    host, port = parse_address(server)
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+        check = f"checkIP = {host}"
+    except OSError:
+        check = f"checkHost = {host}"
+    return f"""\
+foreground = yes
+pid =
+debug = notice
+[edgefl-control]
+client = yes
+accept = 127.0.0.1:{local_port}
+connect = {f"[{host}]" if ":" in host else host}:{port}
+cert = {submitter.cert}
+key = {submitter.key}
+CAfile = {ca.resolve()}
+verifyChain = yes
+{check}
+"""
+
+
+def _control_status(local: str) -> tuple[int, str]:
+    """The HTTP status and first body line of a Control API call through the tunnel (an empty ListRuns)."""
+    host, port = parse_address(local)
+    request = (
+        f"POST /v1/control/list-runs HTTP/1.1\r\nHost: {local}\r\nContent-Type: application/protobuf\r\n"
+        "Content-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection((host, port), timeout=10.0) as sock:
+        sock.sendall(request.encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+    return status, body.decode(errors="replace").strip().splitlines()[0] if body.strip() else ""
+
+
+def open_submit_tunnel(procs: ProcessGroup, server: str, ca: Path, submitter: Submitter) -> str:
+    """Start stunnel in ``procs``: a plain-text port on this machine's loopback that reaches ``server``'s Control
+    API over TLS with ``submitter``'s certificate, verifying the server's against ``ca``. Returns its local
+    address once a Control API call through it is let in; LaunchError with the server's reason otherwise."""
+    stunnel = _binary("stunnel4", "stunnel")
+    local_port = free_port()
+    conf = procs.log_dir / "tunnel.conf"
+    conf.write_text(_tunnel_config(server, ca, submitter, local_port))
+    procs.start("tunnel", [stunnel, str(conf)])
+    local = f"127.0.0.1:{local_port}"
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", local_port), timeout=1.0).close()
+        except OSError:
+            return False
+        return True
+
+    procs.wait_until("the submitter's tunnel (stunnel)", listening, STARTUP_TIMEOUT_S)
+    try:
+        status, reason = _control_status(local)
+    except (OSError, ValueError, IndexError):
+        status, reason = 0, ""
+    if status == 403:
+        raise LaunchError(f"the server at {server} refused {submitter.cert.name}: {reason}")
+    if status == 0:
+        log = tail(procs.log_dir / "tunnel.log", 3).replace("\n", " | ")
+        raise LaunchError(f"no authenticated channel to {server} (stunnel: {log})")
+    return local

@@ -1,0 +1,100 @@
+"""The server's one door (``edgefl.gateway``): ``edgefl server`` in a testbed's server namespace, with real nginx
+in front of Flower's SuperLink, and a stranger in a client namespace trying every API. Only the Fleet API is
+served to it; the Control API only with a submitter certificate; the SuperLink's own port not at all."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgefl.certs import make_node_keys, make_server_certs, make_submitter_certs
+from edgefl.launcher import FEDERATION, _flower_env, run_flwr, write_flwr_home
+from edgefl.processes import LaunchError, free_port
+from netem.profiles import BUILTIN_LINKS
+from netem.testbed import SERVER_IP, Testbed
+from tests.conftest import processes_of
+from tests.test_remote import Command
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+# One HTTPS request from inside a namespace: prints the status (or the connection's error) and the body's first line.
+PROBE = """
+import http.client, socket, ssl, sys
+host, port, path, ca, cert = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+context = ssl.create_default_context(cafile=ca) if ca else None
+if context and cert:
+    context.load_cert_chain(cert, cert[:-4] + ".key")
+try:
+    conn = (http.client.HTTPSConnection(host, port, context=context, timeout=10) if context
+            else http.client.HTTPConnection(host, port, timeout=10))
+    conn.request("POST", path, body=b"", headers={"Content-Type": "application/protobuf"})
+    response = conn.getresponse()
+    print(response.status, response.read().decode(errors="replace").strip().splitlines()[:1])
+except (OSError, ssl.SSLError) as exc:
+    print("error", type(exc).__name__, exc)
+"""
+
+
+def _probe(bed: Testbed, port: int, path: str, ca: Path | None, cert: Path | None = None) -> str:
+    argv = [sys.executable, "-c", PROBE, SERVER_IP, str(port), path, str(ca or ""), str(cert or "")]
+    done = subprocess.run(bed.netns_argv(bed.client_ns[0], argv), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@needs_root
+def test_a_stranger_reaches_only_the_fleet_api_and_a_submitter_gets_in(tmp_path: Path) -> None:
+    certs, port = tmp_path / "certs", free_port()
+    make_server_certs(certs, [SERVER_IP])
+    make_node_keys(certs, 2)
+    make_submitter_certs(certs, 1)
+    ca = certs / "ca.pem"
+    with Testbed([BUILTIN_LINKS["lan"]], f"gw{os.getpid() % 10000}") as bed:
+        server = Command("server", "--listen", f"{SERVER_IP}:{port}", "--certs", str(certs), "--auth-keys",
+                         str(certs / "node-0.pub"), "--out", str(tmp_path / "server"),
+                         prefix=bed.netns_argv(bed.server_ns, []))  # fmt: skip
+        try:
+            local_port = int(re.search(r"the SuperLink on 127\.0\.0\.1:(\d+)", server.wait_for("^gateway")).group(1))
+            server.wait_for("Ctrl-C stops the server")
+
+            # The Control and ServerAppIo APIs are refused with their reason, before they reach the SuperLink.
+            control = _probe(bed, port, "/v1/control/list-runs", ca)
+            assert control.startswith("403") and "submitter certificate" in control, control
+            runtime = _probe(bed, port, "/v1/runtime/get-run", ca)
+            assert runtime.startswith("403") and "only the Fleet API" in runtime, runtime
+            # The server's own certificate is for server use only: not a way in.
+            as_server = _probe(bed, port, "/v1/control/list-runs", ca, certs / "server.pem")
+            assert as_server.startswith("400"), as_server
+            # The SuperLink itself listens on the server's loopback only.
+            direct = _probe(bed, local_port, "/v1/control/list-runs", None)
+            assert direct.startswith("error ConnectionRefusedError"), direct
+            # The Fleet API is served (Flower answers: an empty body is not a protobuf message).
+            fleet = _probe(bed, port, "/v1/fleet/get-run", ca)
+            assert fleet[:3] not in ("403", "404", "err"), fleet
+            # A submitter's certificate lets the Control API through to the SuperLink.
+            submitter = _probe(bed, port, "/v1/control/list-runs", ca, certs / "submitter-0.pem")
+            assert not submitter.startswith(("403", "400", "error")), submitter
+
+            # Flower's own CLI from the stranger's namespace cannot register a node key (node authentication
+            # stays intact) nor list runs.
+            env = _flower_env(tmp_path / "stranger")
+            write_flwr_home(Path(env["FLWR_HOME"]), f"{SERVER_IP}:{port}", ca)
+            prefix = tuple(bed.netns_argv(bed.client_ns[0], []))
+            with pytest.raises(LaunchError, match=r"(?s)flwr supernode failed.*\b403\b"):
+                run_flwr(["supernode", "register", str(certs / "node-1.pub"), FEDERATION], env, prefix)
+            with pytest.raises(LaunchError, match=r"(?s)flwr ls failed.*\b403\b"):
+                run_flwr(["ls", FEDERATION], env, prefix)
+
+            access = (tmp_path / "server" / "logs" / "gateway" / "access.log").read_text()
+            refused = [line for line in access.splitlines() if "/v1/control/" in line and " 403 " in line]
+            assert len(refused) == 3 and all("client-cert=NONE" in line for line in refused), access
+            assert 'client-cert=SUCCESS "CN=edgefl submitter 0"' in access
+            assert "No SuperNode found" not in (tmp_path / "server" / "logs" / "superlink.log").read_text()
+        finally:
+            assert server.interrupt() == 130
+    assert not processes_of(tmp_path / "server")

@@ -1,0 +1,81 @@
+"""``bench/hostile_clients.py``, short: a real 4-client federation on the namespaced testbed in which client 3
+(``bench/hostile_agent.py``: edgefl's own agent, its replies swapped for attacks) attacks in rounds 2, 4 and 6
+while a stranger in its network namespace tries the server's Control and ServerAppIo APIs. Every round
+completes, each closed by all four clients; every attack is refused, with the server's (or the SuperLink's)
+reason; the stranger is refused everywhere; nothing is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pyroute2 import netns
+
+from tests.conftest import REPO, processes_of
+
+pytestmark = [
+    pytest.mark.federation,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+]
+
+# One of each kind: a field overflowing or not finite, a weight far above the partition, a replayed and a future
+# round, another device's partition, malformed payloads and a decoder bomb, a non-finite value, and replies to
+# messages the device was not sent (a made-up one, another node's). Not here: a reply in another node's name,
+# which the server refuses by its reply key (tests/test_server_loop.py) but which, when it beats that node's own
+# reply to the SuperLink, leaves that node holding a round it trained until the deadline (the bench shows it).
+ATTACKS = [
+    "size=1e400",
+    "round=Infinity",
+    "num-examples=10**400",
+    "partition-id=NaN",
+    "replayed update (the round before)",
+    "future round (+2)",
+    "partition-id of another device",
+    "reply_to a made-up message",
+    "reply_to another node's message",
+    "num-examples=2**31-1",
+    "stc: k=2**32-1",
+    "none: NaN value",
+]
+ROUNDS = 6
+TIMEOUT_S = 600
+
+
+def test_a_hostile_device_and_a_stranger_are_refused_and_every_round_completes(tmp_path: Path) -> None:
+    argv = [sys.executable, "bench/hostile_clients.py", "--no-clean", "--rounds", str(ROUNDS),
+            "--attacks", ",".join(ATTACKS), "--out", str(tmp_path)]  # fmt: skip
+    bench = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = bench.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        bench.terminate()  # it stops its federation and its testbed on SIGTERM
+        out, err = bench.communicate(timeout=60)
+        pytest.fail(f"the bench took over {TIMEOUT_S} s:\n{out[-3000:]}{err[-3000:]}")
+    assert bench.returncode == 0, out[-3000:] + err[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+
+    assert result["rounds_completed"] == ROUNDS and not result["hostile_run_error"], result
+    assert result["rounds_closed_by_deadline"] == [], "an attack held a round to its deadline"
+    attacks = result["attacks"]
+    assert sorted(a["attack"] for a in attacks) == sorted(ATTACKS)
+    assert all(a["sent"] for a in attacks), [a for a in attacks if not a["sent"]]
+    assert result["attacks_tried"] == len(ATTACKS)
+    taken = [f"round {a['round']} {a['attack']}: {a['reason']}" for a in attacks if a["sent"] and not a["refused"]]
+    assert not taken, "attacks not refused:\n" + "\n".join(taken)
+    assert result["attacks_refused"] == result["attacks_tried"]
+    assert all(a["reason"] and a["by"] != "—" for a in attacks if a["sent"])
+
+    assert result["stranger_refused"] and not result["stranger_error"], result["stranger"]
+    assert any(p["probe"].startswith("ServerAppIo") for p in result["stranger"])
+    assert any(p["probe"] == "flwr supernode register (its own node key)" for p in result["stranger"])
+    access = (tmp_path / "hostile" / "logs" / "gateway" / "access.log").read_text()
+    assert '"POST /v1/control/register-node HTTP/1.1" 403' in access
+
+    assert not processes_of(tmp_path / "hostile")
+    testbed = f"efl-{bench.pid % 100000}-"  # the launcher's testbed tag: its process id
+    assert not [name for name in netns.listnetns() if name.startswith(testbed)]
