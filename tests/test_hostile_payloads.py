@@ -21,21 +21,11 @@ from strategies.codecs.base import dense_payload_size, layout_info
 from strategies.codecs.registry import CODECS, CodecSpec
 from strategies.codecs.sparse import SPARSE_HEADER
 from strategies.codecs.stc import STC_HEADER
+from tests.test_codecs import WIDE  # ~100k entries (uint32 indices), for the memory bounds
 
 LAYOUT = (("conv.weight", (8, 1, 3, 3)), ("conv.bias", (8,)), ("fc.weight", (10, 32)), ("fc.bias", (10,)))
 P = layout_info(LAYOUT).size  # 410: uint16 indices
 DENSE = dense_payload_size(P)  # 1645 bytes
-# ~100k entries (uint32 indices), for the memory bounds.
-WIDE = (
-    ("conv1.weight", (32, 1, 5, 5)),
-    ("conv1.bias", (32,)),
-    ("conv2.weight", (64, 32, 5, 5)),
-    ("conv2.bias", (64,)),
-    ("fc1.weight", (48, 1024)),
-    ("fc1.bias", (48,)),
-    ("fc2.weight", (10, 48)),
-    ("fc2.bias", (10,)),
-)
 SPECS = ["none", "topk:0.05", "threshold:1.5", "stc:0.05", "dgc:0.9", "powersgd:2", "onebit", "terngrad", "int8",
          "qsgd:16"]  # fmt: skip
 
