@@ -70,7 +70,7 @@ class Gateway:
         ssl_certificate {self.certs.cert.resolve()};
         ssl_certificate_key {self.certs.key.resolve()};
         ssl_client_certificate {self.certs.ca.resolve()};
-        ssl_verify_client optional;
+        ssl_verify_client optional_no_ca;  # another CA's: $ssl_client_verify FAILED, 403 below; a bad one: 400
         ssl_verify_depth 1;"""
             control = f"""
         location /v1/control/ {{
@@ -218,8 +218,8 @@ def open_submit_tunnel(procs: ProcessGroup, server: str, ca: Path, submitter: Su
         status, reason = _control_status(local)
     except (OSError, ValueError, IndexError):
         status, reason = 0, ""
-    if status == 403:
-        raise LaunchError(f"the server at {server} refused {submitter.cert.name}: {reason}")
+    if status in (400, 403):
+        raise LaunchError(f"the server at {server} refused {submitter.cert.name}: {reason or status}")
     if status == 0:
         log = tail(procs.log_dir / "tunnel.log", 3).replace("\n", " | ")
         raise LaunchError(f"no authenticated channel to {server} (stunnel: {log})")

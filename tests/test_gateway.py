@@ -69,7 +69,7 @@ def test_a_stranger_reaches_only_the_fleet_api_and_a_submitter_gets_in(tmp_path:
             assert runtime.startswith("403") and "only the Fleet API" in runtime, runtime
             # The server's own certificate is for server use only: not a way in.
             as_server = _probe(bed, port, "/v1/control/list-runs", ca, certs / "server.pem")
-            assert as_server.startswith("400"), as_server
+            assert as_server.startswith("400"), as_server  # nginx: "The SSL certificate error"
             # The SuperLink itself listens on the server's loopback only.
             direct = _probe(bed, local_port, "/v1/control/list-runs", None)
             assert direct.startswith("error ConnectionRefusedError"), direct
