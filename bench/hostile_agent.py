@@ -530,8 +530,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--plan", type=Path, required=True)
     args, node_argv = parser.parse_known_args(argv)
-    attacker = Attacker(fl_client.node.app, Plan.load(args.plan))
-    fl_client.node.app = attacker
+    attacker = Attacker(fl_client.app.app, Plan.load(args.plan))
+    fl_client.app.app = attacker  # fl_client.node serves fl_client.app.app, imported once the agent is built
     fl_client.tasks._push_output = attacker.forging(fl_client.tasks._push_output)
     fl_client.node.main(node_argv)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import re
@@ -48,10 +49,9 @@ from edgefl.certs import make_node_keys
 from edgefl.launcher import (
     FEDERATION,
     LocalFederation,
-    _flower_env,
     app_project,
-    device_caps,
-    placement_for,
+    flower_env,
+    local_federation,
     run_flwr,
     run_on,
     write_flwr_home,
@@ -120,14 +120,9 @@ def federation(
 ) -> Iterator[tuple[LocalFederation, str]]:
     """``edgefl.launcher.local_federation`` for ``config`` (home: its run folder), with the hostile agent when
     ``plan`` is given; yields it and the address devices dial (the gateway's)."""
-    home = Path(config.out).resolve()
-    with placement_for(config) as place, contextlib.ExitStack() as stack:
-        caps, devices = device_caps(config, stack, progress)
-        config = dataclasses.replace(config, link_backend=place.backend, device_backend=devices)
-        logs, env = home / "logs", _flower_env(home)
-        with WithHostileAgent(logs, env, plan) if plan else ProcessGroup(logs, env) as procs:
-            fed = LocalFederation(config, home, place, procs, caps)
-            yield fed, fed.start()
+    processes = functools.partial(WithHostileAgent, plan=plan) if plan else ProcessGroup
+    with local_federation(config, Path(config.out).resolve(), progress, processes) as fed:
+        yield fed, fed.device_address
 
 
 class PeakRss(threading.Thread):
@@ -196,7 +191,7 @@ class Stranger(threading.Thread):
                 probes.append((f"the server namespace's port {listening} (not the gateway's)", listening, "tcp"))
         self._requests(host, ca, probes)
         home = self.run_dir / ".stranger"
-        env = _flower_env(home)
+        env = flower_env(home)
         write_flwr_home(Path(env["FLWR_HOME"]), self.gateway, ca)
         key = make_node_keys(home / "keys", 1)[0].with_suffix(".pub")
         app = home / "app"

@@ -22,6 +22,8 @@ class TrainInstruction:
     # A fresh secret per message, echoed by the reply: only whoever received the message can answer it (Flower's
     # SuperLink does not check that a reply's sender is the node the message went to).
     reply_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    # A reply of the device's was lost (``strategies.rounds.RoundEngine.lost``): it sends again every update it kept.
+    resend: bool = False
 
     @classmethod
     def identify(cls, job: str) -> TrainInstruction:

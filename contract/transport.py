@@ -22,18 +22,28 @@ message. It changes nothing unless the installed flwr is ``FLWR_VERSION`` and th
 changes hashes to what was read when these values were chosen; otherwise — or with ``EDGEFL_TRANSPORT=stock``
 — Flower runs stock and ``tune()`` says why in one log line. Either way the run records which (``fast`` or
 ``stock``). Flower's own FedAvg baseline never calls it.
+
+The door also reads Flower's serialization, changing nothing: ``message_bytes`` counts the bytes a message takes
+on the wire (every object of its tree, deflated) without serializing its bytes values — a 15 MB reply serialized
+is four copies of it at once — by arithmetic that mirrors the functions in ``COUNT_SOURCE``; where their code
+differs it serializes the whole message, as Flower does.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import inspect
 import logging
 import os
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flwr.app import ConfigRecord, Message
 
 log = logging.getLogger("edgefl.transport")
 
@@ -65,6 +75,16 @@ EXPECTED_SOURCE = {
     "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
 }
 
+# sha256 (first 16 hex digits) of the serialization ``message_bytes`` mirrors, in flwr 1.41.0
+COUNT_SOURCE = {
+    "flwr.app.message.configrecord.ConfigRecord.deflate": "b7b5d3320c0a2494",
+    "flwr.app.message.recorddict.RecordDict.deflate": "299a4095c874b251",
+    "flwr.app.message.message.Message.deflate": "8ad1a4a4651b4246",
+    "flwr.app.message.message.make_message": "7b10c6528e36538b",
+    "flwr.supercore.inflatable.inflatable_object.add_header_to_object_body": "750d1611d693ede5",
+    "flwr.supercore.inflatable.inflatable_object.get_object_body": "221a88d535135f90",
+}
+
 _applied: str | None = None
 
 
@@ -73,27 +93,113 @@ def source_digest(function: Callable[..., Any]) -> str:
 
 
 def _function(qualified: str) -> Callable[..., Any]:
-    module_name, _, name = qualified.rpartition(".")
-    module = __import__(module_name, fromlist=[name])
-    return getattr(module, name)
+    """A module's function, or a class's method (``module.Class.method``), by its qualified name."""
+    parts = qualified.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(f"no module in {qualified}")
 
 
-def why_stock() -> str | None:
-    """None when Flower can be tuned here; otherwise the reason it runs stock (one line)."""
+def _why_differs(expected: dict[str, str], what: str) -> str | None:
+    """None when the installed flwr is ``FLWR_VERSION`` and each function of ``expected`` hashes to its digest;
+    otherwise why not (one line). ``what``: what edgefl does with that code."""
     if os.environ.get(STOCK_ENV, FAST) == STOCK:
         return f"{STOCK_ENV}=stock"
     from flwr.supercore.version import package_version
 
     if package_version != FLWR_VERSION:
-        return f"flwr {package_version} is installed; edgefl tunes the waits of flwr {FLWR_VERSION} only"
-    for qualified, digest in EXPECTED_SOURCE.items():
+        return f"flwr {package_version} is installed; edgefl {what} of flwr {FLWR_VERSION} only"
+    for qualified, digest in expected.items():
         try:
             found = source_digest(_function(qualified))
         except (ImportError, AttributeError, OSError, TypeError):
             return f"{qualified} is missing"
         if found != digest:
-            return f"{qualified} is not the code edgefl tunes (source digest {found}, expected {digest})"
+            return f"{qualified} is not the code edgefl {what} (source digest {found}, expected {digest})"
     return None
+
+
+def why_stock() -> str | None:
+    """None when Flower can be tuned here; otherwise the reason it runs stock (one line)."""
+    return _why_differs(EXPECTED_SOURCE, "tunes the waits")
+
+
+@functools.cache
+def why_counted_whole() -> str | None:
+    """None when ``message_bytes`` may count a message without serializing its bytes values; otherwise why it
+    serializes the whole message (one line)."""
+    return _why_differs(COUNT_SOURCE, "counts the serialization")
+
+
+def message_bytes(message: Message) -> tuple[int, int]:
+    """(bytes, objects) of ``message`` as Flower sends it: every object of its tree, deflated, byte-exact. Where
+    Flower's serialization is the one ``COUNT_SOURCE`` hashes, the message is deflated with each bytes value of its
+    ConfigRecords emptied (``_hollow``) — a Message and a RecordDict name their children by a SHA-256 of fixed
+    length, so only the ConfigRecords change size, each by what its emptied values take (``_hollow_record``)."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
+
+    hollow, emptied = (message, 0) if why_counted_whole() else _hollow(message)
+    with no_object_id_recompute():  # each object serialized for its id once, not once per ancestor
+        objects = get_all_nested_objects(hollow).values()
+        return sum(len(obj.deflate()) for obj in objects) + emptied, len(objects)
+
+
+def _hollow(message: Message) -> tuple[Message, int]:
+    """``message`` with every bytes value of its ConfigRecords emptied (the same metadata, error and other
+    records), and how many bytes emptying them took off its deflated objects."""
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.app.message import make_message
+
+    if not message.has_content():
+        return message, 0
+    records: dict[str, Any] = {}
+    emptied = 0
+    for name, record in message.content.items():
+        if isinstance(record, ConfigRecord):
+            record, taken = _hollow_record(record)
+            emptied += taken
+        records[name] = record
+    return make_message(metadata=message.metadata, content=RecordDict(records)), emptied
+
+
+def _hollow_record(record: ConfigRecord) -> tuple[ConfigRecord, int]:
+    """``record`` with each bytes value emptied, and ``len(record.deflate()) - len(hollow.deflate())``.
+
+    A deflated ConfigRecord is a head ending in its body's length in decimal, a divider, and the body: the
+    protobuf ``ConfigRecord``, one length-prefixed ``Item`` per entry, which holds the length-prefixed
+    ``ConfigRecordValue``, which holds the length-prefixed bytes (a oneof field: written even when empty). An
+    emptied value of n bytes puts back n bytes and a longer length prefix at each of those three levels, and
+    may add digits to the body's length in the head."""
+    from flwr.app import ConfigRecord
+    from flwr.proto.recorddict_pb2 import ConfigRecord as ProtoConfigRecord  # pylint: disable=E0611
+    from flwr.supercore.inflatable.inflatable_object import get_object_body
+
+    lengths = {key: len(value) for key, value in record.items() if isinstance(value, bytes) and value}
+    if not lengths:
+        return record, 0
+    hollow = ConfigRecord({key: b"" if key in lengths else value for key, value in record.items()})
+    body = get_object_body(hollow.deflate(), ConfigRecord)
+    grown = 0
+    for item in ProtoConfigRecord.FromString(body).items:
+        if item.key in lengths:
+            value = item.value.ByteSize()
+            full_value = value - _prefixed(0) + _prefixed(lengths[item.key])
+            entry = item.ByteSize()
+            full_entry = entry - _prefixed(value) + _prefixed(full_value)
+            grown += _prefixed(full_entry) - _prefixed(entry)
+    return hollow, grown + len(str(len(body) + grown)) - len(str(len(body)))
+
+
+def _prefixed(length: int) -> int:
+    """Bytes of a protobuf length-delimited field's length prefix and content: a varint of ``length``, 7 bits a
+    byte, then ``length`` bytes."""
+    return max(1, -(-length.bit_length() // 7)) + length
 
 
 class _IdleBackoff:

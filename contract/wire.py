@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
 from contract.messages import TrainInstruction, TrainReply
+from contract.transport import message_bytes
 from strategies.downlink import Broadcast
 from strategies.rounds import Update
 
@@ -100,7 +100,7 @@ def _header_and_payload(content: RecordDict) -> tuple[dict[str, Any], bytes]:
 
 def instruction_content(instr: TrainInstruction) -> RecordDict:
     header: dict[str, Any] = {"job": instr.job, "next-round": instr.next_round, "last-round": instr.last_round,
-                              "reply-key": instr.reply_key}  # fmt: skip
+                              "reply-key": instr.reply_key, "resend": instr.resend}  # fmt: skip
     payload = b""
     if instr.broadcast is not None:
         header["broadcast"], payload = instr.broadcast.header(), instr.broadcast.blob()
@@ -119,7 +119,9 @@ def parse_instruction(content: RecordDict) -> TrainInstruction:
         next_round = _integer(header["next-round"], "next-round", 0, MAX_ROUND)
         last_round = _integer(header["last-round"], "last-round", 0, MAX_ROUND)
         reply_key = _name(header["reply-key"], "reply-key")
-        return TrainInstruction(header["job"], next_round, last_round, broadcast, reply_key)
+        if type(header["resend"]) is not bool:
+            raise WireError(f"resend is {_shown(header['resend'])}, not true or false")
+        return TrainInstruction(header["job"], next_round, last_round, broadcast, reply_key, header["resend"])
     except (KeyError, ValueError) as exc:  # WireError and DownlinkError are ValueErrors
         raise WireError(f"malformed instruction: {exc}") from None
 
@@ -149,44 +151,47 @@ def reply_content(reply: TrainReply) -> RecordDict:
 
 def parse_reply(content: RecordDict) -> TrainReply:
     """Raises WireError on anything malformed (a field missing, of another kind or out of its range; sizes that
-    do not add up to the payload); the server then refuses the whole reply with its reason."""
+    do not add up to the payload); the server then refuses the whole reply with its reason.
+
+    Every field is checked before an update's payload is cut from the reply's: a refused reply copies none of
+    it. (A reply of one update is not copied at all: its payload is the reply's whole payload.)"""
     header, payload = _header_and_payload(content)
     try:
         entries = header["updates"]
         if type(entries) is not list or len(entries) > MAX_UPDATES:
             raise WireError(f"updates is {_shown(entries)}, not a list of at most {MAX_UPDATES} updates")
-        updates, offset = [], 0
+        checked, offset = [], 0
         for index, entry in enumerate(entries):
-            update = _update(entry, payload, offset, f"update {index}: ")
-            updates.append(update)
-            offset += len(update.payload)
+            size, update = _update(entry, len(payload) - offset, f"update {index}: ")
+            checked.append((offset, size, update))
+            offset += size
         if offset != len(payload):
             raise WireError(f"update sizes add up to {offset} bytes, the payload has {len(payload)}")
-        return TrainReply(
-            _integer(header["partition-id"], "partition-id", 0, MAX_PARTITION),
-            tuple(updates),
-            _health(header["health"]),
-            _name(header["transport"], "transport"),
-            _number(header["held-s"], "held-s", 0, MAX_SECONDS),
-            _integer(header["partition-size"], "partition-size", 0, MAX_EXAMPLES),
-            _name(header["reply-key"], "reply-key"),
-        )
+        partition_id = _integer(header["partition-id"], "partition-id", 0, MAX_PARTITION)
+        health = _health(header["health"])
+        transport = _name(header["transport"], "transport")
+        held_s = _number(header["held-s"], "held-s", 0, MAX_SECONDS)
+        partition_size = _integer(header["partition-size"], "partition-size", 0, MAX_EXAMPLES)
+        key = _name(header["reply-key"], "reply-key")
     except KeyError as exc:
         raise WireError(f"malformed reply: no field {exc}") from None
     except WireError as exc:
         raise WireError(f"malformed reply: {exc}") from None
+    updates = tuple(replace(u, payload=payload[at : at + size]) for at, size, u in checked)
+    return TrainReply(partition_id, updates, health, transport, held_s, partition_size, key)
 
 
-def _update(entry: Any, payload: bytes, offset: int, where: str) -> Update:
-    """The update an entry of a reply's header describes, its payload the ``size`` bytes at ``offset``."""
+def _update(entry: Any, room: int, where: str) -> tuple[int, Update]:
+    """An entry of a reply's header, checked: its ``size`` (at most ``room``, the payload bytes the entries
+    before it left) and its update, whose payload ``parse_reply`` cuts once the whole reply is checked."""
     if type(entry) is not dict:
         raise WireError(f"{where}{_shown(entry)} is not an object")
-    size = _integer(entry["size"], f"{where}size", 0, len(payload) - offset)
+    size = _integer(entry["size"], f"{where}size", 0, room)
     loss = entry["loss"]
-    return Update(
+    return size, Update(
         _integer(entry["round"], f"{where}round", 1, MAX_ROUND),
         _name(entry["stype"], f"{where}stype"),
-        payload[offset : offset + size],
+        b"",
         _integer(entry["num-examples"], f"{where}num-examples", 1, MAX_EXAMPLES),
         _number(entry["train-s"], f"{where}train-s", 0, MAX_SECONDS),
         math.nan if loss is None else _number(loss, f"{where}loss", -MAX_MAGNITUDE, MAX_MAGNITUDE),
@@ -212,6 +217,6 @@ class WireSize:
 
 
 def wire_size(message: Message) -> WireSize:
-    with no_object_id_recompute():  # each object serialized for its id once, not once per ancestor
-        objects = get_all_nested_objects(message).values()
-        return WireSize(sum(len(obj.deflate()) for obj in objects), len(objects))
+    """``message``'s size as Flower sends it, byte-exact (``contract.transport.message_bytes``: without
+    serializing a 15 MB payload again where Flower's serialization is the one it mirrors)."""
+    return WireSize(*message_bytes(message))

@@ -10,6 +10,9 @@ with every update ready then, usually one. With DGA the server keeps more than o
 (``strategies.rounds``), so each round's update leaves as soon as it is trained while the next rounds train:
 hiding a message path of R seconds behind training rounds of T seconds needs D ≥ ⌈R/T⌉ (with one message in
 flight, D + 1 ≥ 2⌈R/T⌉). A held message is answered with nothing only once this run will train nothing more here.
+An answered update is kept until the global model of its round arrives: when the server says a reply was lost
+(``TrainInstruction.resend``), the message that says so is answered with every update kept, and the messages held
+before it, whose replies the SuperLink would refuse, with nothing.
 With partial participation the agent trains only the rounds its partition is sampled in (``strategies.sampling``).
 """
 
@@ -71,6 +74,7 @@ class Session:
         self.next_round = 0
         self.advance_to(1)
         self.outbox: list[Update] = []
+        self.kept: dict[int, Update] = {}  # round → its update as answered, until the global model of that round
         self.training = False
         self.error: str | None = None  # why training failed: the session trains no more
 
@@ -90,6 +94,7 @@ class Session:
         if instr.broadcast is not None:
             reference = self.broadcast.receive(instr.broadcast)
             self.dga.receive_global(instr.broadcast.round, reference)
+            self.kept = {r: u for r, u in self.kept.items() if r > self.dga.global_round}
         self.advance_to(instr.next_round)
 
     def train_next(self) -> None:
@@ -123,7 +128,17 @@ class Session:
 
     def take_outbox(self) -> list[Update]:
         ready, self.outbox = self.outbox, []
+        self.kept.update((u.round, u) for u in ready)
         return ready
+
+    def kept_from(self, round_: int) -> list[Update]:
+        """The kept updates of rounds ``round_`` on, oldest first: what a reply lost on its way may have carried."""
+        return [self.kept[r] for r in sorted(self.kept) if r >= round_]
+
+    def with_kept(self, ready: list[Update], round_: int) -> list[Update]:
+        """``ready`` (taken from the outbox) and every kept update of rounds ``round_`` on, oldest first, once each."""
+        rounds = {u.round for u in ready} | {u.round for u in self.kept_from(round_)}
+        return [self.kept[r] for r in sorted(rounds)]
 
     def train_one_round(self, round_: int, start: np.ndarray, lr: float | None = None) -> tuple[Update, np.ndarray]:
         """K local steps from ``start`` at ``lr`` (by default the job's schedule): the encoded update
@@ -162,6 +177,8 @@ class EdgeAgent:
         self._run_id: int | None = None  # Flower's id of the session's run; None: built ahead of its run (--job)
         self._job_text = ""
         self._ended: deque[int] = deque(maxlen=ENDED_RUNS_KEPT)
+        self._arrivals = 0  # messages taken so far; the number of each is its place in that order
+        self._lost_before = 0  # messages taken before this one were answered by someone else: see ``train``
         self._stop = False
         self._trainer = threading.Thread(target=self._train_forever, daemon=True, name="trainer")
         self._trainer.start()
@@ -233,18 +250,36 @@ class EdgeAgent:
     def train(self, instr: TrainInstruction, partition_id: int, num_partitions: int, run_id: int) -> TrainReply:
         """Take the global model a message of the run ``run_id`` brings (if any), hold the message until a reply is
         due, and give every update ready; raises AgentError when training failed or the run does not fit this
-        device. Several messages may be held at once (``fl_client.tasks``): the first to wake takes what is ready."""
+        device. Several messages may be held at once (``fl_client.tasks``): the first to wake takes what is ready.
+        A message that asks to resend is answered with every kept update from its round on (once there is one);
+        the messages held before it are answered with nothing: a reply of theirs was taken, and one more would be
+        refused."""
         taken = time.monotonic()
         session = self.session_for(instr.job, partition_id, num_partitions, run_id)
         if not instr.asks_for_rounds:
             return TrainReply(session.partition_id, (), health_snapshot(), self.transport, 0.0, session.num_examples)
         with self._cond:
             session.take_instruction(instr)
+            self._arrivals += 1
+            arrival = self._arrivals
+            if instr.resend:
+                self._lost_before = arrival
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._stop or session.error or session.reply_due())
+
+            def answerable() -> bool:
+                superseded = arrival < self._lost_before
+                return superseded or (instr.resend and bool(session.kept_from(instr.next_round))) or session.reply_due()
+
+            self._cond.wait_for(lambda: self._stop or session.error or answerable())
             if session.error or self._stop:
                 raise AgentError(session.error or "the agent is stopping")
-            ready = session.take_outbox()
+            if arrival < self._lost_before:
+                log.info("answering a message held before the server asked again with nothing: its reply was taken")
+                ready = []
+            else:
+                ready = session.take_outbox()
+                if instr.resend:
+                    ready = session.with_kept(ready, instr.next_round)
             log.info(
                 "reply: rounds %s, next round %d, global model of round %d, held %.2f s",
                 [u.round for u in ready], session.next_round, session.dga.global_round, time.monotonic() - taken,

@@ -137,7 +137,8 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
 
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     """Fail before anything starts: the data set is installed, the model and the partition fit it, the links
-    exist."""
+    exist, the submitter's certificate and key are there."""
+    from edgefl.gateway import Submitter
     from ml.catalog import resolve_model
     from ml.data import load_dataset
     from ml.partition import partition_indices
@@ -151,6 +152,8 @@ def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
     devices_for(config)
+    if config.submitter_cert:
+        Submitter.from_cert(Path(config.submitter_cert))
 
 
 def cmd_run(args: argparse.Namespace) -> int:

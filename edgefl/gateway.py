@@ -22,14 +22,16 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.settings import parse_address
+from contract.settings import ConfigError, parse_address
 from edgefl.certs import ServerCerts
 from edgefl.processes import LaunchError, ProcessGroup, free_port, tail
 
 STARTUP_TIMEOUT_S = 30.0
 CONTROL_REFUSED = "the Control API takes a submitter certificate signed by this server's CA"
 OTHER_REFUSED = "only the Fleet API (/v1/fleet/) is served to the network"
-# Flower splits a message into objects of at most 5 MiB, one HTTP request each (flwr.common.inflatable).
+# One HTTP request carries one object of a message. Flower cuts arrays into chunks of at most 5 MiB, but edgefl's
+# payload is one bytes value of a ConfigRecord, one object: this caps a reply's updates together (a dense update
+# of the largest model edgefl ships, LEAF's LSTM, is 3.3 MB).
 MAX_BODY = "16m"
 
 
@@ -145,11 +147,11 @@ class Submitter:
 
     @classmethod
     def from_cert(cls, cert: Path) -> Submitter:
-        """The certificate and the key beside it (same name, ``.key``)."""
+        """The certificate and the key beside it (same name, ``.key``); ConfigError when either is missing."""
         submitter = cls(cert.resolve(), cert.resolve().with_suffix(".key"))
         for path in (submitter.cert, submitter.key):
             if not path.is_file():
-                raise LaunchError(
+                raise ConfigError(
                     f"{path} does not exist: make submitter certificates with edgefl certs --submitters N"
                 )
         return submitter

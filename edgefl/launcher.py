@@ -105,7 +105,7 @@ def prepare_run_dir(config: RunConfig, resume: bool = False) -> Path:
     return run_dir
 
 
-def _flower_env(run_dir: Path) -> dict[str, str]:
+def flower_env(run_dir: Path) -> dict[str, str]:
     """The environment of every Flower process. This Python's scripts come first on PATH: the SuperLink and
     SuperNode start ``flower-superexec`` and the ``flwr-*`` apps by name, also when the venv is not activated."""
     env = dict(os.environ)
@@ -339,7 +339,8 @@ class LocalFederation:
         self.app = app_for(config)
         self.certs: ServerCerts | None = None  # TLS on a non-loopback SuperLink address
         self.runtimes: list[NodeRuntime | None] = []
-        self.address = ""
+        self.address = ""  # where runs are submitted
+        self.device_address = ""  # where devices dial: the gateway, or the SuperLink itself on loopback
         self.placed = False
 
     def superlink_port(self) -> int:
@@ -350,10 +351,10 @@ class LocalFederation:
         return free_port()
 
     def start(self) -> str:
-        """Start every process; returns the SuperLink address. Agents load their data while the SuperLink and the
-        SuperNodes start and the run is submitted (an agent serves its SuperNode once it is ready)."""
+        """Start every process; returns the address devices dial. Agents load their data while the SuperLink and
+        the SuperNodes start and the run is submitted (an agent serves its SuperNode once it is ready)."""
         port = self.superlink_port()
-        address = f"{self.place.server_host}:{port}"
+        address = self.device_address = f"{self.place.server_host}:{port}"
         self.runtimes = self._start_agents() if self.app == "edgefl" else [None] * self.config.clients
         if self.place.backend == "loopback":
             self.address = address
@@ -517,7 +518,7 @@ def run_simulated(config: RunConfig, run_dir: Path, logs: Path, progress: Callab
     """The run on Flower's Simulation Engine, in a process of its own (``edgefl.simulation``), followed as a
     deployment's server is; stopping it stops Ray's processes too (they are its descendants)."""
     save_config(config, run_dir / "config.toml")
-    with ProcessGroup(logs, _flower_env(run_dir)) as procs:
+    with ProcessGroup(logs, flower_env(run_dir)) as procs:
         procs.start("simulation", [sys.executable, "-m", "edgefl.simulation", str(run_dir)])
         progress(
             f"simulation: {config.strategy} on {config.dataset} ({config.partition}), {config.clients} virtual "
@@ -528,14 +529,18 @@ def run_simulated(config: RunConfig, run_dir: Path, logs: Path, progress: Callab
 
 @contextlib.contextmanager
 def local_federation(
-    config: RunConfig, home: Path, progress: Callable[[str], None] = print
+    config: RunConfig,
+    home: Path,
+    progress: Callable[[str], None] = print,
+    processes: Callable[[Path, dict[str, str]], ProcessGroup] = ProcessGroup,
 ) -> Iterator[LocalFederation]:
     """A local federation for runs like ``config`` (``LocalFederation``), its processes' logs in ``home``/logs; its
-    ``config`` records how its links and devices are emulated. Everything stops on leaving the ``with``."""
+    ``config`` records how its links and devices are emulated. ``processes`` makes the group its processes start
+    in (from the logs folder and the environment). Everything stops on leaving the ``with``."""
     with placement_for(config) as place, contextlib.ExitStack() as stack:
         caps, devices = device_caps(config, stack, progress)
         config = dataclasses.replace(config, link_backend=place.backend, device_backend=devices)
-        with ProcessGroup(home / "logs", _flower_env(home)) as procs:
+        with processes(home / "logs", flower_env(home)) as procs:
             federation = LocalFederation(config, home, place, procs, caps)
             federation.start()
             yield federation
@@ -575,7 +580,7 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)
         save_config(config, run_dir / "config.toml")
-        with ProcessGroup(logs, _flower_env(run_dir)) as procs:
+        with ProcessGroup(logs, flower_env(run_dir)) as procs:
             run_id, echo = submit_remote(config, run_dir, procs)
             progress(
                 f"run {run_id}: {config.strategy} on {config.dataset} ({config.partition}), "

@@ -42,7 +42,7 @@ from edgefl.launcher import (
     JOINED,
     STARTUP_TIMEOUT_S,
     NodeRuntime,
-    _flower_env,
+    flower_env,
     reach_superlink,
     run_flwr,
     start_superlink,
@@ -133,7 +133,7 @@ def serve(
         raise ConfigError(f"cannot listen on {listen}: the port is in use or the address is not this machine's")
     out = out.resolve()
     logs = out / "logs"
-    env = _flower_env(out)
+    env = flower_env(out)
     with ProcessGroup(logs, env) as procs:
         local_port = free_port()
         local = f"127.0.0.1:{local_port}"
@@ -285,7 +285,7 @@ def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
         reach_superlink(spec.server, spec.root_cert, spec.connect_timeout_s)
         logs = spec.folder / "logs"
         shutil.rmtree(logs, ignore_errors=True)
-        env = _flower_env(spec.folder)
+        env = flower_env(spec.folder)
         agent = stack.enter_context(ProcessGroup(logs, env))
         runtime = NodeRuntime.create(spec.folder, "node")
         data_dir = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []

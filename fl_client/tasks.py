@@ -152,7 +152,11 @@ class TaskServer:
     each, up to ``MAX_TASKS`` at once (a thread each), until ``stop`` is set. ``secret``: the SuperNode's SuperExec
     auth secret, if any; ``held_dir``: where the tasks being served are kept (``HeldTask``), None to keep none."""
 
-    def __init__(self, address: str, app: ClientApp, secret: bytes | None = None, held_dir: Path | None = None) -> None:
+    def __init__(
+        self, address: str, app: ClientApp | None, secret: bytes | None = None, held_dir: Path | None = None
+    ) -> None:
+        """``app`` may be set later, before ``serve`` (``fl_client.node`` answers held tasks before it imports the
+        agent)."""
         self.address = address
         self.app = app
         self.held_dir = held_dir
@@ -230,6 +234,13 @@ class TaskServer:
             if self.held_dir:  # kept only by an agent that dies serving the task
                 HeldTask.path(self.held_dir, task_id).unlink(missing_ok=True)
             self._serving.release()
+
+    def answer_abandoned_if_up(self) -> None:
+        """``answer_abandoned`` now if this device's SuperNode answers; otherwise ``serve`` does once it is up."""
+        try:
+            self.answer_abandoned()
+        except (httpx.TransportError, NotOurSuperNode) as exc:
+            log.info("the held tasks are answered once the SuperNode is up (%s)", exc)
 
     def answer_abandoned(self) -> None:
         """Answer, with an error, the tasks a previous agent held when it died (``HeldTask``), and finish those

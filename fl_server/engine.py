@@ -403,7 +403,8 @@ class ServerLoop:
         broadcast = None
         if request.global_round is not None:
             broadcast = self.broadcaster.broadcast(request.global_round, request.global_params, request.held_round)
-        return train_message(TrainInstruction(self.job, request.next_round, request.last_round, broadcast), node)
+        instr = TrainInstruction(self.job, request.next_round, request.last_round, broadcast, resend=request.resend)
+        return train_message(instr, node)
 
     def _admit_first_nodes(self) -> None:
         """Wait until the run's N partitions each have a node (the clock starts after)."""
@@ -472,9 +473,12 @@ class ServerLoop:
         if forged:
             parsed = f"its reply key is not the message's: not answered by node {sent.node}, which the message went to"
             log.warning("refused a reply to node %d's message %s: %s", sent.node, message_id, parsed)
+        updates: tuple[Update, ...] = ()
         if forged and sent.identify:  # the node itself has not answered who it is: ask it again
             self.members.retry(sent.node, str(parsed))
-            updates: tuple[Update, ...] = ()
+        elif forged:  # the node's own reply will be refused as a duplicate: it is asked to send its updates again
+            self.engine.lost(sent.node)
+            self.traffic.rejected.append(Rejection(self._partition(sent.node), -1, str(parsed)))
         else:
             updates = (self._identified if sent.identify else self._receive)(sent.node, reply, parsed)
         held_s = parsed.held_s if isinstance(parsed, TrainReply) else 0.0

@@ -196,7 +196,11 @@ class BroadcastDecoder:
 
     def receive(self, broadcast: Broadcast) -> np.ndarray:
         """Apply a broadcast and return the new x̂ (a copy); raises DownlinkError when it does not continue
-        from the x̂ held here or a part does not decode for this model."""
+        from the x̂ held here or a part does not decode for this model. Deltas that end at or before the round
+        held here (a message sent before a newer model reached this client) change nothing."""
+        stale = broadcast.base_round not in (NO_BASE, self.round) and broadcast.round <= self.round
+        if stale and self.reference is not None:
+            return self.reference.copy()
         if broadcast.base_round not in (NO_BASE, self.round):
             raise DownlinkError(
                 f"the broadcast continues from round {broadcast.base_round} but this client holds round {self.round}"

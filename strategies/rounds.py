@@ -89,6 +89,7 @@ class Request:
     global_round: int | None
     global_params: np.ndarray | None
     held_round: int = -1
+    resend: bool = False  # a reply of the client's was lost: it sends again every update it kept (edge.agent)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class _Client:
     received: int = 0  # newest round it contributed
     in_flight: int = 0  # messages sent to it and not answered yet
     resend_global: bool = False  # a message to it failed: it may not hold the global model it was sent
+    resend_updates: bool = False  # a reply of its was lost: ask it to send its kept updates again
     behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
     failures: int = 0  # replies in a row that were errors or had every update refused as invalid
     source: int | None = None  # the partition its replies name (None: none yet; its node id stands for it)
@@ -246,12 +248,13 @@ class RoundEngine:
         if not new_global and (next_round > frontier or (self.window == 1 and c.received > self.aggregated)):
             return None
         c.in_flight += 1
+        resend, c.resend_updates = c.resend_updates, False
         if not new_global:
-            return Request(next_round, frontier, None, None)
+            return Request(next_round, frontier, None, None, resend=resend)
         held_round = -1 if c.resend_global else max(c.delivered, self._start_held)
         c.delivered = self.aggregated
         c.resend_global = False
-        return Request(next_round, frontier, self.aggregated, self.global_params, held_round)
+        return Request(next_round, frontier, self.aggregated, self.global_params, held_round, resend)
 
     def assign(self, client: int, round_: int, global_round: int | None, global_params: np.ndarray | None) -> Request:
         """A message that asks ``client`` for exactly ``round_``, bringing the global model of ``global_round`` when
@@ -281,13 +284,22 @@ class RoundEngine:
         return rejections
 
     def fail(self, client: int, raised: bool = True) -> None:
-        """A message to ``client`` came back as an error: it may not have the global model, so send it again.
-        ``raised``: the client itself failed (e.g. its training gave NaN), which counts toward ``stuck``; a
-        message the network or the SuperLink lost does not."""
+        """A message to ``client`` came back as an error: it may not have the global model, so send it again, and
+        a reply of its may have been lost, so ask for its kept updates again. ``raised``: the client itself failed
+        (e.g. its training gave NaN), which counts toward ``stuck``; a message the network or the SuperLink lost
+        does not."""
         c = self._clients.setdefault(client, _Client())
         c.in_flight = max(0, c.in_flight - 1)
-        c.resend_global = True
+        c.resend_global = c.resend_updates = True
         c.failures += raised
+
+    def lost(self, client: int) -> None:
+        """The reply to a message to ``client`` was taken from someone else (and refused: it did not echo the
+        message's key). Flower's SuperLink keeps one reply per message, so the client's own will be refused as a
+        duplicate: its next message asks it to send again every update it has kept."""
+        c = self._clients.setdefault(client, _Client())
+        c.in_flight = max(0, c.in_flight - 1)
+        c.resend_updates = True
 
     def retire(self, client: int) -> None:
         """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""

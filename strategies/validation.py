@@ -15,6 +15,7 @@ are known every update passes (there is nothing to compare with)."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 
@@ -23,6 +24,18 @@ import numpy as np
 NORM_FACTOR = 10.0
 HISTORY = 32
 MIN_HISTORY = 3
+NORM_CHUNK = 1 << 16  # entries summed in float64 at a time: no float64 copy of the whole update
+
+
+def l2_norm(update: np.ndarray) -> float:
+    """‖Δ‖₂ summed in float64 chunk by chunk (float32's sum of squares overflows from ~1e19; a whole float64 copy
+    would double the update's memory on every check)."""
+    flat = update.ravel()
+    total = 0.0
+    for start in range(0, flat.size, NORM_CHUNK):
+        part = flat[start : start + NORM_CHUNK].astype(np.float64)
+        total += float(part @ part)
+    return math.sqrt(total)
 
 
 class NormOutlierFilter:
@@ -45,7 +58,7 @@ class NormOutlierFilter:
 
     def check(self, update: np.ndarray) -> str | None:
         """The reason ``update`` is refused, or None after recording its norm as accepted."""
-        norm = float(np.linalg.norm(update.astype(np.float64, copy=False)))  # float32's would overflow from ~1e19
+        norm = l2_norm(update)
         if len(self.norms) >= self.min_history:
             quartile = float(np.quantile(self.norms, 0.75))
             if norm > self.norm_factor * quartile:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -177,3 +178,52 @@ def test_a_message_held_by_a_run_that_another_run_replaced_is_answered_at_once()
     finally:
         agent.stop()
     assert isinstance(answer, AgentError) and "run 32" in str(answer), answer
+
+
+def test_a_reply_the_server_lost_is_sent_again_and_the_messages_held_before_are_answered_empty() -> None:
+    """FedAvg (D = 0): round 1's reply is lost (another node's forged reply took its message; the SuperLink refuses
+    this one as a duplicate), so the server never closes round 1. A message that asks for round 2 is held: round 2
+    needs round 1's global model. The server's next message says the reply was lost (``resend``): it is answered
+    at once with round 1's update as first sent, and the held message, whose reply the SuperLink would refuse
+    too, with nothing — instead of both waiting for a model that cannot come."""
+    job = RunConfig(dataset="digits", partition="iid", clients=2, rounds=3, local_steps=2).client_job()
+    agent = EdgeAgent()
+    held: queue.Queue[BaseException | TrainReply] = queue.Queue()
+
+    def hold() -> None:
+        try:
+            held.put(agent.train(TrainInstruction(job.to_json(), 2, 3, None), 0, 2, RUN))
+        except AgentError as exc:
+            held.put(exc)
+
+    try:
+        (lost,) = agent.train(TrainInstruction(job.to_json(), 1, 3, _start(job)), 0, 2, RUN).updates
+        waiting = threading.Thread(target=hold)
+        waiting.start()
+        deadline = time.monotonic() + 60
+        while agent._arrivals < 2:  # the held message has been taken
+            assert time.monotonic() < deadline and held.empty(), "the second message was not held"
+            time.sleep(0.01)
+        again = agent.train(TrainInstruction(job.to_json(), 1, 3, None, resend=True), 0, 2, RUN)
+        answer = held.get(timeout=60)
+        waiting.join()
+    finally:
+        agent.stop()
+    assert [(u.round, u.payload) for u in again.updates] == [(1, lost.payload)]
+    assert isinstance(answer, TrainReply) and answer.updates == ()
+
+
+def test_kept_updates_last_until_the_global_model_of_their_round() -> None:
+    """What a resend may carry: updates answered, until a global model that closes their round arrives."""
+    job = RunConfig(strategy="dga:1", dataset="digits", partition="iid", clients=2, rounds=3).client_job()
+    session = Session(job, 0, 2)
+    start = _start(job)
+    session.take_instruction(TrainInstruction(job.to_json(), 1, 3, start))
+    for round_ in (1, 2):
+        session.finish_round(Update(round_, "none", b"x", 1), np.zeros(0, np.float32))
+    assert [u.round for u in session.take_outbox()] == [1, 2]
+    assert [u.round for u in session.kept_from(1)] == [1, 2] and [u.round for u in session.kept_from(2)] == [2]
+    model = get_flat_params(session.model)
+    round_1 = BroadcastEncoder(parse_codec("none"), model, session.layout).broadcast(1, model)
+    session.take_instruction(TrainInstruction(job.to_json(), 3, 3, round_1))
+    assert [u.round for u in session.kept_from(1)] == [2]

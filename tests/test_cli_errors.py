@@ -55,3 +55,11 @@ def test_port_in_use(run_dir: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         _fails_cleanly([*BASE, "--port", str(port)], f"port {port} is in use", run_dir)
+
+
+def test_a_missing_submitter_certificate_is_refused_before_anything_starts(tmp_path: Path, run_dir: Path) -> None:
+    root = tmp_path / "ca.pem"
+    root.write_text("not checked before the submitter's certificate\n")
+    missing = tmp_path / "submitter-0.pem"
+    remote = ["--federation", "remote", "--server", "127.0.0.1:9", "--root-cert", str(root)]
+    _fails_cleanly([*BASE, *remote, "--submitter-cert", str(missing)], f"{missing} does not exist", run_dir)

@@ -129,11 +129,14 @@ def test_error_feedback_brings_the_reference_to_a_model_that_stops_moving() -> N
     assert np.linalg.norm(models[1] - encoder.reference) < 0.01 * gap
 
 
-def test_a_chain_from_another_round_is_refused() -> None:
+def test_a_chain_from_another_round_is_refused_and_one_older_than_the_model_held_ignored() -> None:
     models = global_models(2)
     encoder = BroadcastEncoder(parse_codec("int8"), models[0], LAYOUT)
     client = BroadcastDecoder(LAYOUT)
+    stale = encoder.broadcast(1, models[1], 0)  # sent before the dense model of round 1 below reached the client
     client.receive(encoder.broadcast(1, models[1], NO_BASE))
+    held = client.reference.copy()
+    np.testing.assert_array_equal(client.receive(stale), held)  # it changes nothing, and is not an error
     with pytest.raises(DownlinkError, match="continues from round 0 but this client holds round 1"):
         client.receive(encoder.broadcast(2, models[2], 0))
     corrupt = Broadcast(1, (Part(2, "edgefl.int8.v1", b"\x01\x02"),))

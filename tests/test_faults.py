@@ -298,6 +298,16 @@ def _trained(row: dict, client: int) -> bool:
     return client in row["clients"] or late
 
 
+@contextlib.contextmanager
+def _logs_on_failure(log_dir: Path, *names: str) -> Iterator[None]:
+    """A failed wait says what the named processes last logged (their logs are gone with the test's folder)."""
+    try:
+        yield
+    except AssertionError as exc:
+        logs = "".join(f"\n--- {name}.log:\n{tail(log_dir / f'{name}.log', 40)}" for name in names)
+        raise AssertionError(f"{exc}{logs}") from None
+
+
 COMEBACK_S = 300.0  # how long a killed client may take to train again: start-up, Flower's 60 s, a loaded host
 
 
@@ -347,15 +357,16 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
         procs.start("supernode-restarted", killed["supernode"].args)
         _wait_ready(agent, ready)
         ready_after = len(_rows(run_dir))
-        wait_for_rows(
-            run_dir, lambda rows: any(_trained(r, 3) for r in rows[ready_after:]), "client 3 back", COMEBACK_S
-        )
-        rows = wait_for_rows(
-            run_dir,
-            lambda rows: any(_trained(r, 2) for r in rows[restarted_after + 1 :]),
-            "client 2 back",
-            COMEBACK_S,
-        )
+        with _logs_on_failure(procs.log_dir, "agent-restarted", "supernode-3", "supernode-restarted"):
+            wait_for_rows(
+                run_dir, lambda rows: any(_trained(r, 3) for r in rows[ready_after:]), "client 3 back", COMEBACK_S
+            )
+            rows = wait_for_rows(
+                run_dir,
+                lambda rows: any(_trained(r, 2) for r in rows[restarted_after + 1 :]),
+                "client 2 back",
+                COMEBACK_S,
+            )
         server_log = (run_dir / "server.log").read_text()
     # Client 3 came back through its held task, answered with an error (not after Flower's 60 s task expiry).
     assert ABANDONED in (procs.log_dir / "agent-restarted.log").read_text()

@@ -18,7 +18,7 @@ import torch
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
 from contract.run_folder import load_checkpoint, read_rounds
-from edgefl.launcher import _flower_env
+from edgefl.launcher import flower_env
 from fl_client.tasks import TaskTiming
 from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, set_flat_params
@@ -178,5 +178,5 @@ def test_flower_processes_find_this_pythons_scripts_without_an_activated_venv(
 ) -> None:
     """The SuperLink starts ``flower-superexec`` by name: it must be found when only ``.venv/bin/python`` was run."""
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    found = shutil.which("flower-superexec", path=_flower_env(tmp_path)["PATH"])
+    found = shutil.which("flower-superexec", path=flower_env(tmp_path)["PATH"])
     assert found == str(Path(sys.executable).parent / "flower-superexec")

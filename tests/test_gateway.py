@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgefl.certs import make_node_keys, make_server_certs, make_submitter_certs
-from edgefl.launcher import FEDERATION, _flower_env, run_flwr, write_flwr_home
+from edgefl.launcher import FEDERATION, flower_env, run_flwr, write_flwr_home
 from edgefl.processes import LaunchError, free_port
 from netem.profiles import BUILTIN_LINKS
 from netem.testbed import SERVER_IP, Testbed
@@ -82,7 +82,7 @@ def test_a_stranger_reaches_only_the_fleet_api_and_a_submitter_gets_in(tmp_path:
 
             # Flower's own CLI from the stranger's namespace cannot register a node key (node authentication
             # stays intact) nor list runs.
-            env = _flower_env(tmp_path / "stranger")
+            env = flower_env(tmp_path / "stranger")
             write_flwr_home(Path(env["FLWR_HOME"]), f"{SERVER_IP}:{port}", ca)
             prefix = tuple(bed.netns_argv(bed.client_ns[0], []))
             with pytest.raises(LaunchError, match=r"(?s)flwr supernode failed.*\b403\b"):

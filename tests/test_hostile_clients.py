@@ -25,9 +25,9 @@ pytestmark = [
 
 # One of each kind: a field overflowing or not finite, a weight far above the partition, a replayed and a future
 # round, another device's partition, malformed payloads and a decoder bomb, a non-finite value, and replies to
-# messages the device was not sent (a made-up one, another node's). Not here: a reply in another node's name,
-# which the server refuses by its reply key (tests/test_server_loop.py) but which, when it beats that node's own
-# reply to the SuperLink, leaves that node holding a round it trained until the deadline (the bench shows it).
+# messages the device was not sent (a made-up one, another node's, one in another node's name: refused by its
+# reply key; when it beats that node's own reply to the SuperLink, which then refuses that one as a duplicate,
+# the node is asked to send its update again, and the round still closes without waiting for its deadline).
 ATTACKS = [
     "size=1e400",
     "round=Infinity",
@@ -38,6 +38,7 @@ ATTACKS = [
     "partition-id of another device",
     "reply_to a made-up message",
     "reply_to another node's message",
+    "reply_to another node's message in its name",
     "num-examples=2**31-1",
     "stc: k=2**32-1",
     "none: NaN value",

@@ -19,7 +19,7 @@ from flwr.supercore.constant import TaskType
 from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, SuperExecAuthHttpInterceptor
 from flwr.supercore.runtime import RuntimeHttpClient
 
-from edgefl.launcher import NodeRuntime, _flower_env, supernode_argv
+from edgefl.launcher import NodeRuntime, flower_env, supernode_argv
 from edgefl.processes import ProcessGroup, free_port
 from fl_client.app import app
 from fl_client.tasks import ACQUIRE, HeldTask, TaskServer
@@ -34,7 +34,7 @@ def node(tmp_path: Path) -> Iterator[NodeRuntime]:
     runtime = NodeRuntime.create(tmp_path, "node")
     nowhere = f"127.0.0.1:{free_port()}"  # the SuperNode retries it; its Runtime API is up meanwhile
     argv = supernode_argv(nowhere, None, "partition-id=0 num-partitions=1", serve=runtime)
-    with ProcessGroup(tmp_path / "logs", _flower_env(tmp_path)) as procs:
+    with ProcessGroup(tmp_path / "logs", flower_env(tmp_path)) as procs:
         procs.start("supernode", argv)
         procs.wait_until("the Runtime API", lambda: _accepts(runtime.port), 60)
         yield runtime

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefl.launcher import NodeRuntime, _flower_env, supernode_argv
+from edgefl.launcher import NodeRuntime, flower_env, supernode_argv
 from edgefl.processes import free_port
 from fl_client.parent import POLL_S, started_at
 from tests.conftest import REPO
@@ -99,7 +99,7 @@ def test_the_agent_and_the_supernode_stop_once_their_launcher_is_gone(
     argv[at] = str(parent.pid)
     log = tmp_path / f"{process}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=_flower_env(tmp_path))
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=flower_env(tmp_path))
     try:
         ready = "Connection attempt failed" if process == "supernode" else "no SuperNode at"
         deadline = time.monotonic() + 120

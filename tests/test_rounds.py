@@ -178,3 +178,22 @@ def test_an_update_claiming_more_examples_than_its_partition_has_is_refused_not_
     assert engine.next_request(3) is not None
     (unknown,) = engine.receive(3, [_update([1, 1, 1, 1], 2, n=1)])
     assert unknown.invalid and "size of partition 3 is not known" in unknown.reason
+
+
+def test_a_lost_reply_or_an_error_asks_the_client_once_to_send_its_kept_updates_again() -> None:
+    """``lost`` (another reply took the message's place at the SuperLink) and ``fail`` (Flower's error) mark the
+    client: its next message says resend, the one after does not."""
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=2)
+    first = engine.next_request(1)
+    assert first is not None and not first.resend
+    engine.lost(1)
+    again = engine.next_request(1)
+    assert again is not None and again.resend and again.next_round == 1
+    assert engine.receive(1, [_update([1, 1, 1, 1], 1)]) == []
+    engine.next_request(2)
+    engine.fail(2, raised=False)
+    after_error = engine.next_request(2)
+    assert after_error is not None and after_error.resend and after_error.global_round == 0  # the model again
+    assert engine.receive(2, []) == []
+    later = engine.next_request(2)
+    assert later is not None and not later.resend

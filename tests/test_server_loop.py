@@ -189,7 +189,12 @@ def test_a_reply_in_another_nodes_name_is_refused_and_the_node_it_names_asked_ag
     _answer(loop, to_12, TrainReply(1, (_update(loop, 1, sizes[1]),), partition_size=sizes[1]))
     grid.sent.clear()
     loop._push()
-    (to_11,) = rounds_to(11)  # the forged reply settled its message: node 11 is asked for round 1 again
+    # The forged reply settled its message, so the SuperLink will refuse node 11's own as a duplicate: node 11 is
+    # asked for round 1 again, and to send again what it kept (edge.agent); node 12's next message asks no resend.
+    (to_11,) = rounds_to(11)
+    again = parse_instruction(to_11.content)
+    assert (again.next_round, again.resend) == (1, True)
+    assert not any(parse_instruction(m.content).resend for m in grid.to(12))
     _answer(loop, to_11, TrainReply(0, (_update(loop, 1, sizes[0]),), partition_size=sizes[0]))
     loop._close_rounds()
     (row,) = _rows(loop)

@@ -59,6 +59,46 @@ def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
     assert len(lines) == 1 and "_push_messages is not the code edgefl tunes" in lines[0], lines
 
 
+def test_the_installed_flower_serializes_as_edgefl_counts() -> None:
+    """Fails after a Flower upgrade that changes the serialization ``message_bytes`` mirrors: re-read it, then
+    update COUNT_SOURCE (wire sizes would otherwise be counted by serializing whole messages again)."""
+    done = _python("from contract.transport import why_counted_whole; print(why_counted_whole())")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"
+
+
+def test_a_serialization_that_differs_is_counted_whole_to_the_same_bytes() -> None:
+    """A 2 MB reply counted by arithmetic, and again, as after an upgrade, by serializing it: the same bytes, and
+    only the arithmetic holds under a megabyte on top of the reply."""
+    done = _python("""
+        import tracemalloc
+        import contract.transport as transport
+        from contract.messages import TrainReply
+        from contract.wire import reply_content
+        from flwr.app import Message
+        from flwr.supercore.task_identity import TaskIdentity
+        from strategies.rounds import Update
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1  # Flower builds messages in tasks
+        reply = Message(reply_content(TrainReply(0, (Update(1, "edgefl.none.v1", bytes(2 << 20), 1),))),
+                        dst_node_id=1, message_type="train")
+        for digest in (None, "0000000000000000"):
+            if digest:
+                transport.COUNT_SOURCE["flwr.app.message.configrecord.ConfigRecord.deflate"] = digest
+                transport.why_counted_whole.cache_clear()
+            tracemalloc.start()
+            counted = transport.message_bytes(reply)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            print(counted[0], counted[1], peak < 1 << 20)
+        print(transport.why_counted_whole())
+    """)
+    assert done.returncode == 0, done.stderr
+    arithmetic, whole, why = done.stdout.strip().splitlines()
+    assert arithmetic.split()[:2] == whole.split()[:2]
+    assert (arithmetic.split()[2], whole.split()[2]) == ("True", "False")
+    assert "ConfigRecord.deflate is not the code edgefl counts the serialization" in why
+
+
 def test_edgefl_transport_stock_leaves_flower_as_it_is() -> None:
     done = _python("from contract.transport import tune; print(tune())", EDGEFL_TRANSPORT="stock")
     assert done.returncode == 0 and done.stdout.strip() == "stock"

@@ -11,7 +11,7 @@ import pytest
 from strategies.codecs import CompressorState
 from strategies.codecs.dense import NoCompression
 from strategies.rounds import RoundEngine, Update
-from strategies.validation import NormOutlierFilter
+from strategies.validation import NORM_CHUNK, NormOutlierFilter, l2_norm
 
 LAYOUT = (("w", (3,)), ("b", (2,)))
 SIZE = 5
@@ -114,3 +114,12 @@ def test_bad_filter_settings_are_refused() -> None:
         NormOutlierFilter(norm_factor=1.0)
     with pytest.raises(ValueError, match="min_history"):
         NormOutlierFilter(history=2, min_history=3)
+
+
+def test_the_norm_is_summed_in_float64_across_chunks() -> None:
+    """``l2_norm`` over several chunks equals numpy's float64 norm, for values whose squares overflow float32."""
+    rng = np.random.default_rng(0)
+    update = (rng.standard_normal(3 * NORM_CHUNK + 5) * 1e20).astype(np.float32)
+    expected = float(np.linalg.norm(update.astype(np.float64)))
+    assert l2_norm(update) == pytest.approx(expected, rel=1e-12)
+    assert l2_norm(np.zeros(0, np.float32)) == 0.0

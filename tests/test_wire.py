@@ -3,13 +3,17 @@ receiver must refuse."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+import tracemalloc
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_body, no_object_id_recompute
 
 from contract.messages import TrainInstruction, TrainReply
 from contract.wire import (
@@ -17,10 +21,12 @@ from contract.wire import (
     PAYLOAD,
     RECORD,
     WireError,
+    WireSize,
     instruction_content,
     parse_instruction,
     parse_reply,
     reply_content,
+    train_message,
     wire_size,
 )
 from strategies.downlink import Broadcast, Part
@@ -56,6 +62,106 @@ def test_a_message_is_three_flower_objects_however_large(flower_task: None) -> N
     ):
         assert wire_size(Message(content, dst_node_id=1, message_type="train")).objects == 3
     assert wire_size(Message(reply_content(big), dst_node_id=1, message_type="train")).bytes > 1_200_000
+
+
+def _deflated_size(message: Message) -> WireSize:
+    """What ``wire_size`` counts, the way Flower sends it: every object of the message serialized."""
+    with no_object_id_recompute():
+        objects = get_all_nested_objects(message).values()
+        return WireSize(sum(len(obj.deflate()) for obj in objects), len(objects))
+
+
+def _reply_of(size: int, instruction: Message, updates: int = 1) -> Message:
+    """A reply to ``instruction`` whose payload is ``size`` bytes in ``updates`` updates."""
+    data = (bytes(range(256)) * (size // 256 + 1))[:size]
+    cuts = [size * i // updates for i in range(updates + 1)]
+    parts = tuple(Update(i + 1, "edgefl.none.v1", data[a:b], 1) for i, (a, b) in enumerate(itertools.pairwise(cuts)))
+    return Message(reply_content(TrainReply(0, parts, reply_key="k")), reply_to=instruction)
+
+
+@pytest.fixture
+def instruction(flower_task: None) -> Message:
+    """An instruction as the server pushed it (the SuperLink gave it its id), for replies to answer."""
+    message = train_message(TrainInstruction("{}", 1, 1, None, reply_key="k" * 32), 7)
+    message.metadata.__dict__["_message_id"] = "a" * 64
+    return message
+
+
+def _body_length(message: Message) -> int:
+    """Bytes of the body of the message's ConfigRecord, deflated."""
+    return len(get_object_body(message.content.config_records[RECORD].deflate(), ConfigRecord))
+
+
+def test_wire_size_is_byte_exact_across_every_length_boundary(instruction: Message) -> None:
+    """Counted without serializing the payload, and equal to the bytes Flower sends to the byte: payloads of
+    every small size, across each length prefix's 7-bit boundaries (the bytes value, its entry, the record's
+    item) and across the decimal digits of the body's length in the object's head; in one update or three."""
+    overhead = _body_length(_reply_of(0, instruction))
+    sizes = [*range(300), *(edge + d for edge in (2**14, 2**21) for d in range(-12, 3))]
+    sizes += [10**digits - overhead + d for digits in range(3, 7) for d in range(-24, 4)]  # "size": n grows too
+    for size in sizes:
+        for updates in (1, 3):
+            reply = _reply_of(size, instruction, updates)
+            assert wire_size(reply) == _deflated_size(reply), (size, updates)
+    crossed = {len(str(_body_length(_reply_of(10**6 - overhead + d, instruction)))) for d in (-24, 3)}
+    assert crossed == {6, 7}  # the sizes above do cross a digit of the body's length
+
+
+def test_wire_size_is_byte_exact_for_every_kind_of_message(instruction: Message) -> None:
+    """Instructions with and without a broadcast, an error reply, and a message of other records and values
+    (several bytes values in one record, empty ones, lists, arrays, metrics): each as Flower sends it."""
+    broadcast = Broadcast(2, (Part(3, "edgefl.topk.v1", bytes(5000)), Part(5, "edgefl.int8.v1", b"defg")))
+    records = RecordDict({
+        "config": ConfigRecord({"a": b"x" * 200, "s": "text", "n": 3, "e": b"", "c": bytes(20_000),
+                                "l": [b"ab", b"cd"], "f": 0.5}),
+        "more": ConfigRecord({"only": bytes(130)}),
+        "metrics": MetricRecord({"loss": 0.25}),
+        "arrays": ArrayRecord({"w": Array(np.arange(1000, dtype=np.float32))}),
+    })  # fmt: skip
+    for message in (
+        train_message(TrainInstruction("{}", 1, 1, None), 3),
+        train_message(TrainInstruction('{"job": 1}', 2, 4, broadcast), 3),
+        Message(Error(code=0, reason="the ClientApp raised"), reply_to=instruction),
+        Message(records, dst_node_id=1, message_type="train"),
+        _reply_of(15 << 20, instruction),
+    ):
+        assert wire_size(message) == _deflated_size(message)
+
+
+def _peak_bytes(call: Callable[[], object]) -> int:
+    """The most Python memory ``call`` held at once on top of what was there before (``tracemalloc``)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        call()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_wire_size_does_not_serialize_the_payload_again(instruction: Message) -> None:
+    """A 15 MB reply is counted in well under a megabyte: serializing it cost four copies at once, twice."""
+    reply = _reply_of(15 << 20, instruction)
+    assert _peak_bytes(lambda: wire_size(reply)) < 1 << 20
+
+
+def test_a_refused_reply_copies_none_of_its_payload(instruction: Message) -> None:
+    """Every field is checked before an update's payload is cut out of the reply's: a refused reply of several
+    updates copies none of it. One update is the reply's payload itself; several are cut out of it."""
+    one = _reply_of(15 << 20, instruction).content
+    assert parse_reply(one).updates[0].payload is one.config_records[RECORD][PAYLOAD]
+    three = _reply_of(15 << 20, instruction, updates=3).content
+    parsed = parse_reply(three)
+    assert [len(u.payload) for u in parsed.updates] == [5 << 20] * 3
+    assert b"".join(u.payload for u in parsed.updates) == three.config_records[RECORD][PAYLOAD]
+    for change in ({"held-s": -1.0}, {"reply-key": ""}, {"partition-id": None}, {"health": []}):
+        tampered = _tampered(three, **change)
+
+        def refused(content: RecordDict = tampered) -> None:
+            with pytest.raises(WireError):
+                parse_reply(content)
+
+        assert _peak_bytes(refused) < 1 << 20, change
 
 
 def _tampered(content: RecordDict, **header: object) -> RecordDict:
