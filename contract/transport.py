@@ -108,13 +108,13 @@ def _function(qualified: str) -> Callable[..., Any]:
 
 def _why_differs(expected: dict[str, str], what: str) -> str | None:
     """None when the installed flwr is ``FLWR_VERSION`` and each function of ``expected`` hashes to its digest;
-    otherwise why not (one line). ``what``: what edgefl does with that code."""
+    otherwise why not (one line). ``what``: what edgefl does with that code ("tunes", "counts by")."""
     if os.environ.get(STOCK_ENV, FAST) == STOCK:
         return f"{STOCK_ENV}=stock"
     from flwr.supercore.version import package_version
 
     if package_version != FLWR_VERSION:
-        return f"flwr {package_version} is installed; edgefl {what} of flwr {FLWR_VERSION} only"
+        return f"flwr {package_version} is installed; edgefl {what} flwr {FLWR_VERSION}'s code only"
     for qualified, digest in expected.items():
         try:
             found = source_digest(_function(qualified))
@@ -127,14 +127,14 @@ def _why_differs(expected: dict[str, str], what: str) -> str | None:
 
 def why_stock() -> str | None:
     """None when Flower can be tuned here; otherwise the reason it runs stock (one line)."""
-    return _why_differs(EXPECTED_SOURCE, "tunes the waits")
+    return _why_differs(EXPECTED_SOURCE, "tunes")
 
 
 @functools.cache
 def why_counted_whole() -> str | None:
     """None when ``message_bytes`` may count a message without serializing its bytes values; otherwise why it
     serializes the whole message (one line)."""
-    return _why_differs(COUNT_SOURCE, "counts the serialization")
+    return _why_differs(COUNT_SOURCE, "counts by")
 
 
 def message_bytes(message: Message) -> tuple[int, int]:

@@ -128,8 +128,11 @@ class Session:
 
     def take_outbox(self) -> list[Update]:
         ready, self.outbox = self.outbox, []
-        self.kept.update((u.round, u) for u in ready)
         return ready
+
+    def keep(self, answered: list[Update]) -> None:
+        """Keep updates as answered, in case their reply is lost (a simulated client's never is: it keeps none)."""
+        self.kept.update((u.round, u) for u in answered)
 
     def kept_from(self, round_: int) -> list[Update]:
         """The kept updates of rounds ``round_`` on, oldest first: what a reply lost on its way may have carried."""
@@ -137,8 +140,8 @@ class Session:
 
     def with_kept(self, ready: list[Update], round_: int) -> list[Update]:
         """``ready`` (taken from the outbox) and every kept update of rounds ``round_`` on, oldest first, once each."""
-        rounds = {u.round for u in ready} | {u.round for u in self.kept_from(round_)}
-        return [self.kept[r] for r in sorted(rounds)]
+        chosen = {u.round: u for u in self.kept_from(round_)} | {u.round: u for u in ready}
+        return [chosen[r] for r in sorted(chosen)]
 
     def train_one_round(self, round_: int, start: np.ndarray, lr: float | None = None) -> tuple[Update, np.ndarray]:
         """K local steps from ``start`` at ``lr`` (by default the job's schedule): the encoded update
@@ -280,6 +283,7 @@ class EdgeAgent:
                 ready = session.take_outbox()
                 if instr.resend:
                     ready = session.with_kept(ready, instr.next_round)
+                session.keep(ready)
             log.info(
                 "reply: rounds %s, next round %d, global model of round %d, held %.2f s",
                 [u.round for u in ready], session.next_round, session.dga.global_round, time.monotonic() - taken,

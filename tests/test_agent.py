@@ -221,7 +221,9 @@ def test_kept_updates_last_until_the_global_model_of_their_round() -> None:
     session.take_instruction(TrainInstruction(job.to_json(), 1, 3, start))
     for round_ in (1, 2):
         session.finish_round(Update(round_, "none", b"x", 1), np.zeros(0, np.float32))
-    assert [u.round for u in session.take_outbox()] == [1, 2]
+    answered = session.take_outbox()
+    assert [u.round for u in answered] == [1, 2] and session.kept_from(1) == []  # kept only once answered
+    session.keep(answered)
     assert [u.round for u in session.kept_from(1)] == [1, 2] and [u.round for u in session.kept_from(2)] == [2]
     model = get_flat_params(session.model)
     round_1 = BroadcastEncoder(parse_codec("none"), model, session.layout).broadcast(1, model)
