@@ -23,9 +23,10 @@ client sampled for it has answered it, or — stragglers — once ``quorum`` of 
 
 FedBuff (``buffer`` K ≥ 1, with D = 0) has no rounds to wait for: a "round" is a server step, which closes once K
 usable updates are buffered, from whichever model each was trained on (a stale one enters the open step, weighted
-by ``strategies.fedbuff.staleness_weight``); a client is sent the newest model after each step it did not yet
-contribute to, so it gives at most one update per step. A step closes with fewer once every client sampled for it
-has answered it, some with an update refused as unusable (below): it could never gather K.
+by ``strategies.fedbuff.staleness_weight``; one that finds K there already, the next); a client is sent the
+newest model after each step it did not yet contribute to, so it gives at most one update per step. A step closes
+with fewer once every client sampled for it has answered it, some with an update refused as unusable (below): it
+could never gather K.
 
 A contribution is accepted once: late (its round is closed), repeated, or beyond what the client could legally
 have trained is refused with the reason, and so is a payload that does not decode or fails validation
@@ -324,7 +325,11 @@ class RoundEngine:
             return Rejection(source, item.round, "unrequested: the client could not have trained that round yet")
         if not self.sampler.trains(source, item.round):
             return Rejection(source, item.round, "unrequested: the client is not sampled for that round")
-        target = self.aggregated + 1 if self.buffer else item.round  # FedBuff: a stale update enters the open step
+        target = item.round
+        if self.buffer:  # FedBuff: an update enters the first open step that has room (K updates) and not its client
+            target = self.aggregated + 1
+            while (step := self._open.get(target)) and (len(step.clients) >= self.buffer or source in step.answered):
+                target += 1
         open_round = self._open.get(target) or _OpenRound(self._accumulator())
         self._open[target] = open_round
         contributed.add(item.round)

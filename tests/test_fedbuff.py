@@ -93,3 +93,17 @@ def test_a_refused_update_still_answers_its_step() -> None:
     (step,) = engine.close_rounds(now=0)
     assert (sorted(step.clients), step.closed_by) == ([1, 2], "buffer") and engine.done
     np.testing.assert_allclose(engine.global_params, [6, 6, 6, 6])
+
+
+def test_updates_that_arrive_together_fill_one_step_each() -> None:
+    """K = 1 and both clients' updates settled before the loop closes a step (pulled in one call): each step takes
+    K of them, the second enters step 2 with τ = 1 (FedBuff's buffer holds K updates), not step 1 with two."""
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=2, buffer=1)
+    for client in (1, 2):
+        engine.next_request(client)
+    assert engine.receive(1, [_update([2, 2, 2, 2], 1)]) == []
+    assert engine.receive(2, [_update([4, 4, 4, 4], 1)]) == []
+    first, second = engine.close_rounds(now=0)
+    assert (first.round, first.clients, first.closed_by) == (1, [1], "buffer")
+    assert (second.round, second.clients, second.closed_by) == (2, [2], "buffer")
+    np.testing.assert_allclose(engine.global_params, 2 + 4 * staleness_weight(1), rtol=1e-6)
