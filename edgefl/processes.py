@@ -4,7 +4,7 @@ process it forked (Flower's SuperExec starts the ServerApp, in a session of its 
 process's group, for a child forked after the tree was read (e.g. an agent's partition worker).
 
 A process started from the main thread is also sent SIGTERM by the kernel when this one ends, however it ends
-(``fl_client.parent``): a launcher killed with SIGKILL leaves nothing running. Each stops what it started in turn
+(``contract.parent``): a launcher killed with SIGKILL leaves nothing running. Each stops what it started in turn
 (the SuperLink its SuperExec, which its ServerApp; Flower's ``--parent-pid``)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from contract.errors import EdgeflError
-from fl_client.parent import signal_on_parent_death
+from contract.parent import signal_on_parent_death
 
 GRACE_S = 5.0
 

@@ -4,7 +4,7 @@
         [--job job.json --partition-id I --num-partitions N] [--ready-file FILE] [--held-tasks DIR] [--parent-pid PID]
 
 ``--job`` loads the coming run's data and model before its first message, so round 1 does not pay for it.
-SIGTERM or SIGINT stops it, and so does the end of process ``--parent-pid`` (``fl_client.parent``). A restarted
+SIGTERM or SIGINT stops it, and so does the end of process ``--parent-pid`` (``contract.parent``). A restarted
 agent answers the tasks its predecessor held (``--held-tasks``) before it imports torch and builds the agent: on
 a loaded device that takes tens of seconds, and Flower fails a task that sends no heartbeat for 60 s."""
 
@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fl_client.parent import watch_parent
+from contract.parent import watch_parent
 from fl_client.tasks import TaskServer
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Flower's SuperNode with its fixed waits tuned (``contract.transport``); every argument is
 ``flower-supernode``'s but ``--parent-pid PID``, given first: it stops (as on SIGTERM) once that process is gone
-(``fl_client.parent``). edgefl starts it with ``--isolation process``: the edge agent serves its tasks.
+(``contract.parent``). edgefl starts it with ``--isolation process``: the edge agent serves its tasks.
 
     python -m fl_client.supernode [--parent-pid PID] --insecure --superlink HOST:PORT --isolation process ...
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from contract.parent import watch_parent
 from contract.transport import tune
-from fl_client.parent import watch_parent
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.exit import add_exit_handler
 
 from contract.errors import EdgeflError
+from contract.parent import watch_parent
 from contract.run_folder import (
     CHECKPOINT,
     ROUNDS,
@@ -97,6 +99,11 @@ def run_in_folder(folder: RunFolder, body: Callable[[], None]) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    # Flower's ServerApp watches its parent (the SuperExec) with kill(pid, 0), which a dead parent no one has reaped
+    # yet (a zombie: its own parent, the SuperLink, was killed) passes: the run would go on alone. This watch takes
+    # a zombie for gone, and stops the app the way Flower's does (SIGINT: its exit handlers, then exit).
+    watch_parent(os.getppid(), signal.SIGINT)
+
     def body(config: RunConfig, folder: RunFolder) -> None:
         transport = tune()
         logging.getLogger("edgefl").info("Flower's message path: %s", transport)

@@ -1,4 +1,4 @@
-"""A device's processes end with their launcher (``fl_client.parent``): a process a ProcessGroup started is sent
+"""A device's processes end with their launcher (``contract.parent``): a process a ProcessGroup started is sent
 SIGTERM by the kernel when the launcher is killed with SIGKILL, and the agent and the SuperNode, given
 ``--parent-pid``, stop cleanly once that process is gone (also when it is not their parent, as across ``ip netns
 exec`` or a wrapper)."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from contract.parent import POLL_S, started_at
 from edgefl.launcher import NodeRuntime, flower_env, supernode_argv
 from edgefl.processes import free_port
-from fl_client.parent import POLL_S, started_at
 from tests.conftest import REPO
 
 BOUND_S = 10 * POLL_S  # how soon a process must end after its parent did (one poll, on a loaded host)
@@ -43,7 +43,7 @@ def parent() -> subprocess.Popen[bytes]:
 def test_a_watched_process_stops_cleanly_once_the_pid_is_gone(parent: subprocess.Popen[bytes]) -> None:
     code = (
         "import signal, sys, threading\n"
-        "from fl_client.parent import watch_parent\n"
+        "from contract.parent import watch_parent\n"
         "stop = threading.Event()\n"
         "signal.signal(signal.SIGTERM, lambda *_: stop.set())\n"
         f"watch_parent({parent.pid})\n"

@@ -1,5 +1,5 @@
-"""A device's process that ends with the process that started it: a launcher killed with SIGKILL (what an OOM kill
-does) must not leave its agents and SuperNodes running. Two guards, Linux both: the launcher asks the kernel to
+"""A process that ends with the process that started it: a launcher killed with SIGKILL (what an OOM kill does)
+must not leave its agents, SuperNodes or ServerApp running. Two guards, Linux both: the launcher asks the kernel to
 signal each process it forks when it ends (``signal_on_parent_death``, for ``subprocess.Popen``'s
 ``preexec_fn``), and the agent and the SuperNode also watch the PID they are given (``--parent-pid``,
 ``watch_parent``), through /proc, which a process in another network namespace (``ip netns exec``) shares."""
