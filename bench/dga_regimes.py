@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt
 from dga_vs_fedavg import tail_mean, time_to_target
 from results import write_result
 
+from contract.run_folder import SUMMARY
 from contract.settings import build_config
 from edge.devices import device_profile
 from edgefl.launcher import run
@@ -140,7 +141,7 @@ def spot_checks(runs_root: Path, out: Path) -> list[dict[str, Any]]:
     found = []
     for (model, link, device, strategy), folder in SPOTS.items():
         real_dir, sim_dir = runs_root / folder, point_dir(out, model, link, device, strategy)
-        if not (real_dir / "summary.json").exists() or not (sim_dir / "summary.json").exists():
+        if not (real_dir / SUMMARY).exists() or not (sim_dir / SUMMARY).exists():
             continue
         real, sim = load_run(real_dir)[0], load_run(sim_dir)[0]
         found.append({

@@ -43,7 +43,7 @@ import tomli_w
 from hostile_agent import ATTACKS, FINAL, FORGED, Plan, rounds_needed, schedule
 from results import write_result
 
-from contract.run_folder import MESSAGES, SUMMARY, read_rounds
+from contract.run_folder import CONFIG, MESSAGES, ROUNDS, SERVER_LOG, SUMMARY, read_rounds
 from contract.settings import RunConfig, build_config
 from edgefl.certs import make_node_keys
 from edgefl.launcher import (
@@ -300,7 +300,7 @@ def attack_outcomes(run: Run) -> list[dict[str, Any]]:
     hostile device (partition ATTACKER) it refuses is a ``rejected`` entry of the round it closes in, and an
     honest reply is refused nothing; an attack answering a round its partition then counts in was taken."""
     log = [json.loads(line) for line in _read(run.folder / "attacks.jsonl").splitlines()]
-    server_log = _read(run.folder / "server.log")
+    server_log = _read(run.folder / SERVER_LOG)
     superlink_log = _read(run.folder / "logs" / "superlink.log")
     settled = {m["message_id"] for m in run.messages}
     rows = {r["round"]: r for r in run.rows}
@@ -335,13 +335,13 @@ def attack_outcomes(run: Run) -> list[dict[str, Any]]:
                              "reason": "the server never received it (no reply to its message settled)"})  # fmt: skip
         elif rejections:
             closed_in, rejection = rejections.pop(0)
-            where = "server.log, rounds.jsonl" if rejection["reason"] in server_log else "rounds.jsonl"
+            where = f"{SERVER_LOG}, {ROUNDS}" if rejection["reason"] in server_log else ROUNDS
             note = "" if closed_in == round_ else f" (matched in round {closed_in}'s row: check)"
             outcomes.append({**row, "sent": True, "refused": True, "by": f"server ({where})",
                              "reason": rejection["reason"] + note})  # fmt: skip
         else:
             outcomes.append({**row, "sent": True, "refused": False, "by": "—",
-                             "reason": "no refusal of it in rounds.jsonl"})  # fmt: skip
+                             "reason": f"no refusal of it in {ROUNDS}"})  # fmt: skip
     return outcomes
 
 
@@ -560,7 +560,7 @@ def main() -> int:
             print(f"== [{i}/{len(runs)}] {name}: {what}", flush=True)
             run_federation(config_for(name), with_plan, progress)
     else:
-        config, plan = build_config(run_dir / "config.toml"), Plan.load(run_dir / "plan.json")
+        config, plan = build_config(run_dir / CONFIG), Plan.load(run_dir / "plan.json")
     clean = None if args.no_clean or not (out / "clean" / MEASURED).exists() else Run.load(out / "clean")
     hostile = Run.load(run_dir)
     text, figures = report(config, plan, clean, hostile, attack_outcomes(hostile))

@@ -7,7 +7,10 @@ workers, every descendant — as the sum of their proportional set sizes (PSS: a
 1/n in each, so Ray's shared object store is counted once). Printed: real seconds per round (rounds 2 on, after
 Ray's start and the first contact with every client), peak memory, modelled seconds per round.
 
-    python bench/simulation_scale.py [--clients 1000] [--per-round 100] [--rounds 10]
+    python bench/simulation_scale.py [--clients 1000] [--per-round 100] [--rounds 10] [--strategy scaffold]
+
+``--strategy scaffold`` measures SCAFFOLD's per-client state: the server keeps one model-sized control variate
+per client that has trained (``strategies.scaffold``), and checkpoints them every round.
 
 The partition is IID: flwr-datasets' Dirichlet partitioner cannot split Fashion-MNIST's 60,000 rows into 1000
 partitions of at least 10 rows at α = 0.3 (it gives up after 10 draws), and scale, not accuracy, is measured.
@@ -75,13 +78,14 @@ def main() -> int:
     parser.add_argument("--per-round", default="100")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--local-steps", type=int, default=10)
+    parser.add_argument("--strategy", default="fedavg", help="fedavg (default) or another, e.g. scaffold")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-simulation-scale"))
     args = parser.parse_args()
     interrupt_on_signals()
     config = build_config(
         None, federation="simulation", dataset="fashion-mnist", partition="iid", clients=args.clients,
         clients_per_round=args.per_round, rounds=args.rounds, local_steps=args.local_steps, profile=FLEET_LINKS,
-        device_profile=FLEET_DEVICES, eval_examples=2000, out=str(args.out / "run"),
+        device_profile=FLEET_DEVICES, eval_examples=2000, out=str(args.out / "run"), strategy=args.strategy,
     )  # fmt: skip
     with PeakMemory() as memory:
         run_dir = run(config)
@@ -90,6 +94,7 @@ def main() -> int:
     real = np.diff([row["real_s"] for row in rows])  # rounds 2..R
     modelled = np.diff([0.0] + [row["wall_s"] for row in rows])
     figures = {
+        "strategy": config.strategy,
         "clients": args.clients,
         "per_round": config.per_round,
         "rounds": args.rounds,
@@ -102,7 +107,8 @@ def main() -> int:
     }
     text = "\n".join([
         f"{args.clients} virtual clients, {config.per_round} a round, {args.rounds} rounds of {args.local_steps} local "
-        f"steps (FedAvg, Fashion-MNIST IID, devices {FLEET_DEVICES}, links {FLEET_LINKS}), on {os.cpu_count()} cores:",
+        f"steps ({config.strategy}, Fashion-MNIST IID, devices {FLEET_DEVICES}, links {FLEET_LINKS}), on "
+        f"{os.cpu_count()} cores:",
         "",
         "| real s/round (rounds 2 on) | real s, round 1 (with start-up) | real s, server loop | peak memory GB (PSS) "
         "| modelled s / round | final acc |",

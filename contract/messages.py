@@ -9,6 +9,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from strategies.downlink import Broadcast
 from strategies.rounds import Update
 
@@ -24,6 +26,9 @@ class TrainInstruction:
     reply_key: str = field(default_factory=lambda: secrets.token_hex(16))
     # A reply of the device's was lost (``strategies.rounds.RoundEngine.lost``): it sends again every update it kept.
     resend: bool = False
+    # With a broadcast: the strategy's vector for this device, float32 (``ServerHalf.message_state``: SCAFFOLD's
+    # correction c − c_i); None: none.
+    state: np.ndarray | None = None
 
     @classmethod
     def identify(cls, job: str) -> TrainInstruction:

@@ -1,6 +1,10 @@
 """The files a run leaves in ``runs/NAME/``: ``rounds.jsonl`` (one object per closed round), ``messages.jsonl``
 (one object per message round trip), ``summary.json``, ``checkpoint.npz`` (what ``edgefl run --resume``
-continues from), ``global.onnx`` (the final model) and ``server_error.txt`` when the server failed.
+continues from), ``global.onnx`` (the final model) and ``server_error.txt`` when the server failed; the ServerApp's
+log ``server.log``; and, written by ``edgefl run`` on the submitter, the resolved ``config.toml`` (what ``--resume``
+and ``edge bench RUN`` rebuild the run from) and the plots ``accuracy_vs_{time,rounds,bytes}.png``. Every name is a
+constant here and no other module spells one; the checkpoint is saved and read through ``RunFolder`` too
+(``RunFolder(run_dir).read_checkpoint()`` for a tool reading a finished run).
 
 The ServerApp writes them through ``RunFolder``. In a run submitted from another machine
 (``--federation remote``) it also echoes every write on its output as ``ECHO`` lines, which Flower streams to
@@ -24,7 +28,6 @@ import os
 import statistics
 import sys
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +38,16 @@ ROUNDS = "rounds.jsonl"
 MESSAGES = "messages.jsonl"
 SUMMARY = "summary.json"
 CHECKPOINT = "checkpoint.npz"
+STRATEGY_KEY = "strategy:"  # a checkpoint's arrays of the strategy's state are named "strategy:NAME"
 GLOBAL_ONNX = "global.onnx"
 SERVER_ERROR = "server_error.txt"
+SERVER_LOG = "server.log"  # the ServerApp's log (``fl_server.app.run_in_folder``); not echoed
+CONFIG = "config.toml"  # the resolved config, written by ``edgefl run`` before it starts the run
+PLOT_TIME = "accuracy_vs_time.png"  # ``edgefl.report.plot_single``'s plots (``edgefl report --out`` writes the same)
+PLOT_ROUNDS = "accuracy_vs_rounds.png"
+PLOT_BYTES = "accuracy_vs_bytes.png"
+PLOTS = (PLOT_TIME, PLOT_ROUNDS, PLOT_BYTES)
+RUN_FILES = (ROUNDS, MESSAGES, SUMMARY, CHECKPOINT, GLOBAL_ONNX, SERVER_ERROR, SERVER_LOG, CONFIG, *PLOTS)
 
 
 ECHO = "edgefl-result "
@@ -54,6 +65,40 @@ class RunFolder:
 
     path: Path
     echo: bool = False
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / CHECKPOINT
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def server_log(self) -> Path:
+        return self.path / SERVER_LOG
+
+    def save_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Written to a temporary file and renamed, so a crash never leaves half a checkpoint. Not echoed here:
+        an echoing folder sends the checkpoint just before the run's last word (``write``)."""
+        tmp = self.path / (CHECKPOINT + ".tmp.npz")
+        norms = np.asarray(checkpoint.recent_norms, dtype=np.float64)
+        momentum = np.asarray(checkpoint.momentum, dtype=np.float32)
+        state = {STRATEGY_KEY + key: value for key, value in checkpoint.strategy.items()}
+        np.savez(tmp, round=np.int64(checkpoint.round), params=checkpoint.params, wall_s=np.float64(checkpoint.wall_s),
+                 recent_norms=norms, momentum=momentum, **state)  # fmt: skip
+        os.replace(tmp, self.checkpoint_path)
+
+    def read_checkpoint(self) -> Checkpoint | None:
+        """The run's checkpoint, or None when it has none."""
+        if not self.checkpoint_path.exists():
+            return None
+        with np.load(self.checkpoint_path) as data:
+            momentum = data["momentum"] if "momentum" in data else np.zeros(0, np.float32)  # older checkpoints
+            strategy = {key.removeprefix(STRATEGY_KEY): data[key] for key in data.files if key.startswith(STRATEGY_KEY)}
+            return Checkpoint(
+                int(data["round"]), data["params"], float(data["wall_s"]), data["recent_norms"], momentum, strategy
+            )
 
     def append(self, name: str, row: dict[str, Any]) -> None:
         """One row of ``rounds.jsonl`` or ``messages.jsonl``."""
@@ -233,43 +278,10 @@ class Checkpoint:
 
     round: int
     params: np.ndarray  # the global model after ``round``
-    wall_s: float  # the run's wall clock when the round closed
-    recent_norms: np.ndarray  # the update-norm history of ``strategies.validation.NormOutlierFilter``
-    momentum: np.ndarray  # the server's global momentum (``strategies.fedavg.ServerMomentum``); empty: none
-
-
-def save_checkpoint(
-    run_dir: Path,
-    round_: int,
-    params: np.ndarray,
-    wall_s: float = 0.0,
-    recent_norms: Sequence[float] = (),
-    momentum: np.ndarray | None = None,
-) -> None:
-    """Written to a temporary file and renamed, so a crash never leaves half a checkpoint."""
-    tmp = run_dir / (CHECKPOINT + ".tmp.npz")
-    norms = np.asarray(recent_norms, dtype=np.float64)
-    buffer = np.zeros(0, np.float32) if momentum is None else np.asarray(momentum, dtype=np.float32)
-    np.savez(tmp, round=np.int64(round_), params=params, wall_s=np.float64(wall_s), recent_norms=norms, momentum=buffer)
-    os.replace(tmp, run_dir / CHECKPOINT)
-
-
-def read_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The run's checkpoint, or None when it has none."""
-    path = run_dir / CHECKPOINT
-    if not path.exists():
-        return None
-    with np.load(path) as data:
-        momentum = data["momentum"] if "momentum" in data else np.zeros(0, np.float32)  # older checkpoints
-        return Checkpoint(int(data["round"]), data["params"], float(data["wall_s"]), data["recent_norms"], momentum)
-
-
-def load_checkpoint(run_dir: Path) -> tuple[int, np.ndarray]:
-    """(round, global model) of the run's checkpoint, for tools that need only the model."""
-    checkpoint = read_checkpoint(run_dir)
-    if checkpoint is None:
-        raise FileNotFoundError(f"{run_dir / CHECKPOINT} does not exist")
-    return checkpoint.round, checkpoint.params
+    wall_s: float = 0.0  # the run's wall clock when the round closed
+    recent_norms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # ``NormOutlierFilter``'s norm history
+    momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # ``ServerMomentum``'s; empty: none
+    strategy: dict[str, np.ndarray] = field(default_factory=dict)  # the strategy's server half's ``state()``
 
 
 def regime(trips: list[dict[str, Any]]) -> dict[str, float | None]:

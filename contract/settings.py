@@ -16,11 +16,13 @@ from typing import Any
 
 import tomli_w
 
-from contract.errors import EdgeflError
+from contract.errors import EdgeflError, PeerError
 from ml.catalog import ModelError, check_model_for
 from strategies.codecs import CodecSpec, parse_codec
+from strategies.registry import app_of, mean_only, parse_strategy
 from strategies.sampling import Sampler, parse_clients_per_round
-from strategies.spec import Spec, StrategySpec, parse_aggregate, parse_strategy
+from strategies.spec import Spec, parse_aggregate
+from strategies.strategy import StrategySettings
 
 LR_SCHEDULES = ("constant", "cosine")  # see ml.trainer.scheduled_lr
 FEDERATIONS = ("local", "remote", "simulation")
@@ -28,6 +30,11 @@ FEDERATIONS = ("local", "remote", "simulation")
 
 class ConfigError(EdgeflError, ValueError):
     """A setting that cannot be used; ``str()`` is one line for the user."""
+
+
+class JobError(PeerError, ValueError):
+    """A job from the server (``ClientJob.from_json``) that a device cannot take; ``str()`` is the one-line
+    reason."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class RunConfig:
     ray_address: str = ""  # simulation: a Ray cluster to join (auto | HOST:PORT); "" starts Ray on this machine
     clock_step_s: float = 0.0  # simulation: the virtual clock's seconds per local step on one core; 0: measure here
     # Parsed once, from the fields above, when the record is made:
-    strategy_spec: StrategySpec = field(init=False, repr=False, compare=False)
+    strategy_spec: StrategySettings = field(init=False, repr=False, compare=False)
     codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
     downlink_spec: CodecSpec = field(init=False, repr=False, compare=False)
     aggregate_spec: Spec = field(init=False, repr=False, compare=False)
@@ -109,8 +116,7 @@ class RunConfig:
             run=self.name, dataset=self.dataset, model=self.model, data_dir=self.data_dir, partition=self.partition,
             clients=self.clients, clients_per_round=self.per_round, seed=self.seed, rounds=self.rounds,
             local_steps=self.local_steps, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
-            lr_schedule=self.lr_schedule, delay=self.strategy_spec.delay, correction=self.strategy_spec.correction,
-            compress=self.compress,
+            lr_schedule=self.lr_schedule, strategy=self.strategy, compress=self.compress,
         )  # fmt: skip
 
     def to_run_config(self) -> dict[str, str]:
@@ -140,16 +146,22 @@ class ClientJob:
     lr: float
     momentum: float
     lr_schedule: str
-    delay: int  # DGA's D (0: FedAvg)
-    correction: bool
+    strategy: str  # the run's --strategy, as RunConfig writes it (strategies.registry)
     compress: str
+    strategy_spec: StrategySettings = field(init=False, repr=False, compare=False)
     codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy_spec", parse_strategy(self.strategy))
         object.__setattr__(self, "codec_spec", parse_codec(self.compress))
 
     def sampler(self) -> Sampler:
         return Sampler(self.seed, self.clients, self.clients_per_round)
+
+    @property
+    def local_momentum(self) -> float:
+        """The momentum of the device's optimizer: none where the codec keeps it elsewhere (``plain_sgd``)."""
+        return 0.0 if self.codec_spec.plain_sgd else self.momentum
 
     def as_dict(self) -> dict[str, Any]:
         """Keys as users write them (``local-steps``)."""
@@ -160,21 +172,21 @@ class ClientJob:
 
     @classmethod
     def from_json(cls, text: str) -> ClientJob:
-        """Raises ValueError for anything but exactly this record's keys with values of its types."""
+        """Raises JobError (a ValueError) for anything but exactly this record's keys with values of its types."""
         raw = json.loads(text)
         if not isinstance(raw, dict):
-            raise ValueError("the job is not a JSON object")
+            raise JobError("the job is not a JSON object")
         values = {key.replace("-", "_"): value for key, value in raw.items()}
         kinds = {f.name: f.type for f in fields(cls) if f.init}
         if set(values) != set(kinds):
-            raise ValueError(f"the job's keys {sorted(values)} are not {sorted(kinds)}")
+            raise JobError(f"the job's keys {sorted(values)} are not {sorted(kinds)}")
         for name, kind in kinds.items():
             value = values[name]
             ok = {"str": isinstance(value, str), "bool": isinstance(value, bool)}.get(
                 kind, isinstance(value, int | float) and not isinstance(value, bool)
             )
             if not ok or (kind == "int" and not float(value).is_integer()):
-                raise ValueError(f"the job's {name.replace('_', '-')} is {value!r}, not a {kind}")
+                raise JobError(f"the job's {name.replace('_', '-')} is {value!r}, not a {kind}")
         return cls(**{k: int(v) if kinds[k] == "int" else v for k, v in values.items()})
 
 
@@ -213,16 +225,17 @@ def _check(config: RunConfig) -> RunConfig:
         raise ConfigError(f"round-deadline-s must be positive, got {config.round_deadline_s}")
     if not 0 <= config.port < 65536:
         raise ConfigError(f"port must be in 0..65535, got {config.port}")
-    if config.strategy_spec.name == "flower-fedavg" and (config.compress, config.compress_down) != ("none", "none"):
+    flower = app_of(config.strategy_spec) == "flower"
+    if flower and (config.compress, config.compress_down) != ("none", "none"):
         raise ConfigError("flower-fedavg is Flower's own FedAvg and sends dense arrays: drop --compress and "
                           "--compress-down")  # fmt: skip
-    if config.strategy_spec.name == "flower-fedavg" and config.federation == "simulation":
+    if flower and config.federation == "simulation":
         raise ConfigError("flower-fedavg runs Flower's own apps in a deployment; a simulation runs edgefl's fedavg")
     if config.strategy_spec.buffer > config.per_round:
         raise ConfigError(f"{config.strategy} buffers {config.strategy_spec.buffer} updates a step, more than the "
                           f"{config.per_round} clients a round samples")  # fmt: skip
-    if config.strategy_spec.buffer and config.aggregate_spec.name != "mean":
-        raise ConfigError(f"{config.strategy} weights updates by staleness: it takes --aggregate mean")
+    if (why := mean_only(config.strategy_spec)) and config.aggregate_spec.name != "mean":
+        raise ConfigError(f"{config.strategy} {why}: it takes --aggregate mean, not {config.aggregate}")
     if config.downlink_spec.global_momentum is not None:
         raise ConfigError(f"gm=BETA is global momentum on the clients' updates: put it on --compress, not on "
                           f"--compress-down {config.compress_down!r}")  # fmt: skip
@@ -285,7 +298,7 @@ def _coerce(key: str, value: Any) -> Any:
     try:
         if kind.startswith("int"):
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
+                raise ConfigError(f"{key.replace('_', '-')} must be a number, got {value!r}")
             return int(value)
         if kind.startswith("float"):
             return float(value)

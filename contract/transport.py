@@ -18,36 +18,34 @@ answers each when it has an update ready (``edge.agent``): DGA's updates leave a
 bundles behind one message.
 
 The SuperNode (``python -m fl_client.supernode``) and edgefl's ServerApp call ``tune()`` before Flower moves a
-message. It changes nothing unless the installed flwr is ``FLWR_VERSION`` and the source of every function it
-changes hashes to what was read when these values were chosen; otherwise — or with ``EDGEFL_TRANSPORT=stock``
-— Flower runs stock and ``tune()`` says why in one log line. Either way the run records which (``fast`` or
-``stock``). Flower's own FedAvg baseline never calls it.
+message. It changes nothing unless the installed flwr is one of ``contract.flower.FLWR_CHECKED`` and the source of
+every function it changes hashes to what was read when these values were chosen (``TUNED_SOURCE``, checked by
+Flower's door, ``contract.flower``, which also hands this module every Flower internal it uses); otherwise — or
+with ``EDGEFL_TRANSPORT=stock`` — Flower runs stock and ``tune()`` says why in one log line. Either way the run
+records which (``fast`` or ``stock``). Flower's own FedAvg baseline never calls it.
 
-The door also reads Flower's serialization, changing nothing: ``message_bytes`` counts the bytes a message takes
-on the wire (every object of its tree, deflated) without serializing its bytes values — a 15 MB reply serialized
-is four copies of it at once — by arithmetic that mirrors the functions in ``COUNT_SOURCE``; where their code
-differs it serializes the whole message, as Flower does.
+This module also reads Flower's serialization, changing nothing: ``message_bytes`` counts the bytes a message
+takes on the wire (every object of its tree, deflated) without serializing its bytes values — a 15 MB reply
+serialized is four copies of it at once — by arithmetic that mirrors the functions in ``COUNT_SOURCE``; where
+their code differs it serializes the whole message, as Flower does.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import inspect
 import logging
 import os
 import time
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from contract.flower import COUNT_SOURCE, TUNED_SOURCE, why_differs
 
 if TYPE_CHECKING:
     from flwr.app import ConfigRecord, Message
 
 log = logging.getLogger("edgefl.transport")
 
-FLWR_VERSION = "1.41.0"
 STOCK_ENV = "EDGEFL_TRANSPORT"  # "stock": leave Flower as it is
 FAST, STOCK = "fast", "stock"
 SIMULATION = "simulation"  # Flower's Simulation Engine carries messages in memory: nothing here applies
@@ -64,70 +62,20 @@ CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 
 STOCK_IDLE_S, STOCK_REPLY_S = 3, 0.5  # the literal sleeps in Flower's SuperNode loop
 NO_RUN = 0  # what the pipelined pull reports when there was no message: not None, so the loop goes on to push
 
-# sha256 (first 16 hex digits) of inspect.getsource of each function whose behaviour changes, in flwr 1.41.0
-EXPECTED_SOURCE = {
-    "flwr.supernode.start_client_internal.start_client_internal": "9e89a6eb68fbec68",
-    "flwr.supernode.start_client_internal._push_messages": "00bb86faffdec114",
-    "flwr.supernode.start_client_internal._pull_and_store_message": "eaf5d0e36dc34e4c",
-    "flwr.supercore.inflatable.inflatable_utils.pull_objects": "31bb2de46b450e6a",
-    "flwr.supercore.inflatable.inflatable_utils.push_objects": "5893dafc584a46c8",
-    "flwr.supercore.inflatable.inflatable_utils.push_object_contents_from_iterable": "89d2efe1cf720c91",
-    "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
-}
-
-# sha256 (first 16 hex digits) of the serialization ``message_bytes`` mirrors, in flwr 1.41.0
-COUNT_SOURCE = {
-    "flwr.app.message.configrecord.ConfigRecord.deflate": "b7b5d3320c0a2494",
-    "flwr.app.message.recorddict.RecordDict.deflate": "299a4095c874b251",
-    "flwr.app.message.message.Message.deflate": "8ad1a4a4651b4246",
-    "flwr.app.message.message.make_message": "7b10c6528e36538b",
-    "flwr.supercore.inflatable.inflatable_object.add_header_to_object_body": "750d1611d693ede5",
-    "flwr.supercore.inflatable.inflatable_object.get_object_body": "221a88d535135f90",
-}
-
 _applied: str | None = None
 
 
-def source_digest(function: Callable[..., Any]) -> str:
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
-
-
-def _function(qualified: str) -> Callable[..., Any]:
-    """A module's function, or a class's method (``module.Class.method``), by its qualified name."""
-    parts = qualified.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            found: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for name in parts[split:]:
-            found = getattr(found, name)
-        return found
-    raise ImportError(f"no module in {qualified}")
-
-
-def _why_differs(expected: dict[str, str], what: str) -> str | None:
-    """None when the installed flwr is ``FLWR_VERSION`` and each function of ``expected`` hashes to its digest;
-    otherwise why not (one line). ``what``: what edgefl does with that code ("tunes", "counts by")."""
+def _why_differs(expected: Mapping[str, str], what: str) -> str | None:
+    """None when Flower's code may be used as edgefl does (``contract.flower.why_differs``) and
+    ``EDGEFL_TRANSPORT`` is not ``stock``; otherwise why not (one line)."""
     if os.environ.get(STOCK_ENV, FAST) == STOCK:
         return f"{STOCK_ENV}=stock"
-    from flwr.supercore.version import package_version
-
-    if package_version != FLWR_VERSION:
-        return f"flwr {package_version} is installed; edgefl {what} flwr {FLWR_VERSION}'s code only"
-    for qualified, digest in expected.items():
-        try:
-            found = source_digest(_function(qualified))
-        except (ImportError, AttributeError, OSError, TypeError):
-            return f"{qualified} is missing"
-        if found != digest:
-            return f"{qualified} is not the code edgefl {what} (source digest {found}, expected {digest})"
-    return None
+    return why_differs(expected, what)
 
 
 def why_stock() -> str | None:
     """None when Flower can be tuned here; otherwise the reason it runs stock (one line)."""
-    return _why_differs(EXPECTED_SOURCE, "tunes")
+    return _why_differs(TUNED_SOURCE, "tunes")
 
 
 @functools.cache
@@ -142,7 +90,7 @@ def message_bytes(message: Message) -> tuple[int, int]:
     Flower's serialization is the one ``COUNT_SOURCE`` hashes, the message is deflated with each bytes value of its
     ConfigRecords emptied (``_hollow``) — a Message and a RecordDict name their children by a SHA-256 of fixed
     length, so only the ConfigRecords change size, each by what its emptied values take (``_hollow_record``)."""
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
+    from contract.flower import get_all_nested_objects, no_object_id_recompute
 
     hollow, emptied = (message, 0) if why_counted_whole() else _hollow(message)
     with no_object_id_recompute():  # each object serialized for its id once, not once per ancestor
@@ -154,7 +102,8 @@ def _hollow(message: Message) -> tuple[Message, int]:
     """``message`` with every bytes value of its ConfigRecords emptied (the same metadata, error and other
     records), and how many bytes emptying them took off its deflated objects."""
     from flwr.app import ConfigRecord, RecordDict
-    from flwr.app.message import make_message
+
+    from contract.flower import make_message
 
     if not message.has_content():
         return message, 0
@@ -177,8 +126,8 @@ def _hollow_record(record: ConfigRecord) -> tuple[ConfigRecord, int]:
     emptied value of n bytes puts back n bytes and a longer length prefix at each of those three levels, and
     may add digits to the body's length in the head."""
     from flwr.app import ConfigRecord
-    from flwr.proto.recorddict_pb2 import ConfigRecord as ProtoConfigRecord  # pylint: disable=E0611
-    from flwr.supercore.inflatable.inflatable_object import get_object_body
+
+    from contract.flower import ProtoConfigRecord, get_object_body
 
     lengths = {key: len(value) for key, value in record.items() if isinstance(value, bytes) and value}
     if not lengths:
@@ -286,10 +235,9 @@ def _set_defaults(function: Callable[..., Any], **defaults: float) -> None:
 
 
 def _apply() -> None:
-    from flwr.supercore.inflatable import inflatable_utils
-    from flwr.supernode import start_client_internal
+    from contract.flower import inflatable_utils
+    from contract.flower import supernode_loop as loop
 
-    loop: ModuleType = start_client_internal
     idle = _IdleBackoff()
     pipeline = _Pipeline(loop._pull_and_store_message, loop._push_messages, idle)
     loop.time = _TunedClock(idle)  # type: ignore[attr-defined]

@@ -3,8 +3,9 @@
 device's link; this layout is the smallest tree Flower allows — Message, RecordDict, ConfigRecord — so a message
 costs one round of parallel object requests each way, whatever the model or the number of updates it carries.
 
-Down: the header holds the job, the rounds to train and the broadcast's parts; the payload is the broadcast's
-parts concatenated. Up: the header holds the partition and its size, one entry per update (round, codec wire
+Down: the header holds the job, the rounds to train, the broadcast's parts and the number of float32 values of the
+strategy's vector for the device (``state``: SCAFFOLD's correction; 0: none); the payload is the broadcast's parts
+concatenated, then that vector. Up: the header holds the partition and its size, one entry per update (round, codec wire
 type, size, examples, training time, loss), the device's health and transport, and how long the agent held the
 message; the payload is the updates' payloads concatenated. The sizes in a header must add up to its payload
 exactly, and every field must be of its kind and in its range (the limits below), or the reply is refused."""
@@ -16,8 +17,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from contract.errors import PeerError
 from contract.messages import TrainInstruction, TrainReply
 from contract.transport import message_bytes
 from strategies.downlink import Broadcast
@@ -39,7 +42,7 @@ MAX_NAME = 64  # characters of a wire type, a transport or a health item's name 
 MAX_HEALTH_ITEMS = 16  # a device's health report is a handful of readings (edge.health.health_snapshot)
 
 
-class WireError(ValueError):
+class WireError(PeerError, ValueError):
     """A message that is not edgefl's layout; ``str()`` is the one-line reason the receiver logs."""
 
 
@@ -104,13 +107,20 @@ def instruction_content(instr: TrainInstruction) -> RecordDict:
     payload = b""
     if instr.broadcast is not None:
         header["broadcast"], payload = instr.broadcast.header(), instr.broadcast.blob()
-    return _content(header, payload)
+    state = b"" if instr.state is None else np.ascontiguousarray(instr.state, dtype="<f4").tobytes()
+    header["state"] = len(state) // 4
+    return _content(header, payload + state)
 
 
 def parse_instruction(content: RecordDict) -> TrainInstruction:
     """Raises WireError on anything malformed."""
     header, payload = _header_and_payload(content)
     try:
+        values = _integer(header.get("state", 0), "state", 0, len(payload) // 4)
+        state = np.frombuffer(payload[len(payload) - 4 * values :], "<f4") if values else None
+        payload = payload[: len(payload) - 4 * values]
+        if state is not None and "broadcast" not in header:
+            raise WireError("a strategy state without a broadcast")
         broadcast = Broadcast.parse(header["broadcast"], payload) if "broadcast" in header else None
         if broadcast is None and payload:
             raise WireError(f"{len(payload)} payload bytes without a broadcast")
@@ -121,7 +131,7 @@ def parse_instruction(content: RecordDict) -> TrainInstruction:
         reply_key = _name(header["reply-key"], "reply-key")
         if type(header["resend"]) is not bool:
             raise WireError(f"resend is {_shown(header['resend'])}, not true or false")
-        return TrainInstruction(header["job"], next_round, last_round, broadcast, reply_key, header["resend"])
+        return TrainInstruction(header["job"], next_round, last_round, broadcast, reply_key, header["resend"], state)
     except (KeyError, ValueError) as exc:  # WireError and DownlinkError are ValueErrors
         raise WireError(f"malformed instruction: {exc}") from None
 

@@ -1,7 +1,7 @@
 """The edge agent: the one long-lived part of a device that owns the model, the optimizer, the data partition,
-the codec memory and DGA's bookkeeping, and trains continuously in a background thread. No Flower here:
-``fl_client.node`` serves the device's SuperNode tasks in the agent's process and hands each message to
-``EdgeAgent.train``.
+the codec memory and the strategy's client half (DGA's bookkeeping), and trains continuously in a background
+thread. No Flower here: ``fl_client.node`` serves the device's SuperNode tasks in the agent's process and hands
+each message to ``EdgeAgent.train``.
 
 A message may bring the newest global model; the agent takes it at once and trains the rounds it unlocks: a
 round t needs the global model of round t − D − 1 (DGA's staleness bound; D = 0 is FedAvg's lock-step). The agent
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from contract.errors import PeerError
 from contract.messages import TrainInstruction, TrainReply
 from contract.settings import ClientJob
 from edge.health import health_snapshot
@@ -34,8 +36,8 @@ from ml.data import Dataset, load_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.trainer import LocalTrainer, scheduled_lr
 from strategies.codecs import make_client_codec
-from strategies.dga import DelayedAveragingClient
 from strategies.downlink import BroadcastDecoder
+from strategies.registry import client_half
 from strategies.rounds import Update
 
 log = logging.getLogger("edgefl.agent")
@@ -43,7 +45,7 @@ log = logging.getLogger("edgefl.agent")
 ENDED_RUNS_KEPT = 64  # ids of runs whose session was replaced, so that a late message of one is refused
 
 
-class AgentError(RuntimeError):
+class AgentError(PeerError, RuntimeError):
     """Training failed on this device; ``str()`` is the reason the server is told."""
 
 
@@ -63,10 +65,11 @@ class Session:
         self.model = build_model(data, job.seed, job.model)
         self.layout = param_layout(self.model)
         seed = job.seed * 1000 + partition_id
-        momentum = 0.0 if job.codec_spec.plain_sgd else job.momentum
-        self.trainer = LocalTrainer(self.model, data.x_train, data.y_train, job.batch_size, job.lr, momentum, seed)
+        self.trainer = LocalTrainer(
+            self.model, data.x_train, data.y_train, job.batch_size, job.lr, job.local_momentum, seed
+        )
         self.codec = make_client_codec(job.codec_spec, self.layout, seed=seed, num_clients=num_partitions)
-        self.dga = DelayedAveragingClient(job.delay, job.correction)
+        self.strategy = client_half(job.strategy_spec)  # the run's strategy on this device (strategies.registry)
         self.broadcast = BroadcastDecoder(self.layout)
         self.broadcast.hold(0, get_flat_params(self.model))  # the seeded start model: see strategies.downlink
         self.sampler = job.sampler()
@@ -92,15 +95,18 @@ class Session:
         """Take the global model a message brings (x̂, as the possibly compressed broadcast delivers it) and the
         first round it asks for."""
         if instr.broadcast is not None:
+            size = sum(math.prod(shape) for _, shape in self.layout)
+            if instr.state is not None and instr.state.size != size:  # checked before the decoder moves on
+                raise AgentError(f"the strategy's vector has {instr.state.size} values, the model {size}")
             reference = self.broadcast.receive(instr.broadcast)
-            self.dga.receive_global(instr.broadcast.round, reference)
-            self.kept = {r: u for r, u in self.kept.items() if r > self.dga.global_round}
+            self.strategy.receive_global(instr.broadcast.round, reference, instr.state)
+            self.kept = {r: u for r, u in self.kept.items() if r > self.strategy.global_round}
         self.advance_to(instr.next_round)
 
     def train_next(self) -> None:
-        """Train the next round from DGA's start model and put its update in the outbox."""
+        """Train the next round from the strategy's start model and put its update in the outbox."""
         round_ = self.next_round
-        self.finish_round(*self.train_one_round(round_, self.dga.start_params()))
+        self.finish_round(*self.train_one_round(round_, self.strategy.start_params()))
 
     def advance_to(self, round_: int) -> None:
         """The next round to train is the first one from ``round_`` on that this partition is sampled in."""
@@ -109,7 +115,7 @@ class Session:
         self.next_round = self.last_round + 1 if sampled is None else sampled
 
     def can_train(self) -> bool:
-        return self.error is None and self.next_round <= self.last_round and self.dga.can_start(self.next_round)
+        return self.error is None and self.next_round <= self.last_round and self.strategy.can_start(self.next_round)
 
     def reply_due(self) -> bool:
         """A held message is answered once an update is ready, or once this run will train nothing more here (a
@@ -120,8 +126,8 @@ class Session:
 
     def finish_round(self, ready: Update, sent: np.ndarray) -> None:
         """Keep a trained round's update: in the outbox, and as sent (``sent``, what the server will decode) for
-        DGA's correction."""
-        self.dga.record_sent(ready.round, sent)
+        the strategy (DGA's correction)."""
+        self.strategy.record_sent(ready.round, sent)
         self.outbox.append(ready)
         self.advance_to(ready.round + 1)
         self.training = False
@@ -144,14 +150,15 @@ class Session:
         return [chosen[r] for r in sorted(chosen)]
 
     def train_one_round(self, round_: int, start: np.ndarray, lr: float | None = None) -> tuple[Update, np.ndarray]:
-        """K local steps from ``start`` at ``lr`` (by default the job's schedule): the encoded update
-        Δ = w_end − w_start, and Δ as the server will decode it (what DGA's correction must subtract later)."""
+        """K local steps from ``start`` at ``lr`` (by default the job's schedule) on the strategy's objective: the
+        encoded update Δ = w_end − w_start, and Δ as the server will decode it (what DGA's correction must subtract
+        later)."""
         t0 = time.perf_counter()
         set_flat_params(self.model, start)
         if lr is None:
             lr = scheduled_lr(self.job.lr, self.job.lr_schedule, round_, self.last_round)
         self.trainer.set_lr(lr)
-        loss = self.trainer.train_steps(self.job.local_steps)
+        loss = self.trainer.train_steps(self.job.local_steps, self.strategy.objective(start))
         encoded = self.codec.encode(get_flat_params(self.model) - start, round_)
         update = Update(round_, encoded.stype, encoded.payload, self.num_examples, time.perf_counter() - t0, loss)
         return update, encoded.decoded
@@ -197,7 +204,7 @@ class EdgeAgent:
                     return
                 session = self._session
                 round_ = session.next_round
-                start = session.dga.start_params()
+                start = session.strategy.start_params()
                 session.training = True
             try:
                 ready, sent = session.train_one_round(round_, start)
@@ -286,7 +293,7 @@ class EdgeAgent:
                 session.keep(ready)
             log.info(
                 "reply: rounds %s, next round %d, global model of round %d, held %.2f s",
-                [u.round for u in ready], session.next_round, session.dga.global_round, time.monotonic() - taken,
+                [u.round for u in ready], session.next_round, session.strategy.global_round, time.monotonic() - taken,
             )  # fmt: skip
         return TrainReply(session.partition_id, tuple(ready), health_snapshot(), self.transport,
                           time.monotonic() - taken, session.num_examples)  # fmt: skip

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from contract.run_folder import CHECKPOINT, load_checkpoint
+from contract.run_folder import RunFolder
 from contract.settings import ConfigError, load_config
 from ml.catalog import AUTO, resolve_model
 from ml.data import DATASET_NAMES, HF_PREFIX, DataError, Dataset, load_dataset
@@ -118,22 +118,24 @@ def load_target(spec: str, data_dir: str | None = None, model: str = AUTO) -> Be
 
 def _run_target(run_dir: Path) -> BenchTarget:
     """The global model of the run in ``run_dir``, rebuilt from its config.toml and checkpoint.npz."""
-    config_path = run_dir / "config.toml"
-    missing = [path.name for path in (config_path, run_dir / CHECKPOINT) if not path.is_file()]
+    folder = RunFolder(run_dir)
+    missing = [path.name for path in (folder.config_path, folder.checkpoint_path) if not path.is_file()]
     if missing:
         raise BenchError(f"{run_dir} is not a run folder with a model: it has no {' and no '.join(missing)}")
     try:
-        config = load_config(config_path)
+        config = load_config(folder.config_path)
     except ConfigError as err:
         raise BenchError(f"{run_dir}: {err}") from None
     dataset = load_dataset(config.dataset, config.data_dir or None)
     model = build_model(dataset, config.seed, config.model)
     try:
-        round_, params = load_checkpoint(run_dir)
-        set_flat_params(model, params)
+        checkpoint = folder.read_checkpoint()
+        if checkpoint is None:
+            raise FileNotFoundError(f"{folder.checkpoint_path} does not exist")
+        set_flat_params(model, checkpoint.params)
     except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, ModelError) as err:
-        raise BenchError(f"{run_dir / CHECKPOINT} does not hold this run's model: {err}") from None
-    return BenchTarget(model, dataset, f"run {run_dir} (global model after round {round_})")
+        raise BenchError(f"{folder.checkpoint_path} does not hold this run's model: {err}") from None
+    return BenchTarget(model, dataset, f"run {run_dir} (global model after round {checkpoint.round})")
 
 
 def run_bench(target: BenchTarget, seconds: float, threads: int = 1) -> BenchReport:

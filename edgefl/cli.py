@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 
 from contract.errors import EdgeflError
+from contract.run_folder import CONFIG
 from contract.settings import ConfigError, RunConfig, build_config, build_config_from, load_config
 from edgefl.processes import interrupt_on_signals
-from strategies.spec import parse_strategy
+from strategies.registry import parse_strategy
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -30,7 +31,8 @@ EXIT_INTERRUPTED = 130
 def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) -> None:
     """The settings of a run, as flags that override ``--config``; None means 'not given'."""
     p.add_argument("--config", type=Path, help="TOML file with the same settings (flags override it)")
-    p.add_argument("--strategy", help="fedavg | dga:D | dga:D:nocorrection | flower-fedavg")
+    p.add_argument("--strategy", help="fedavg | dga:D | dga:D:nocorrection | fedbuff:K | fedprox:MU | scaffold | "
+                   "flower-fedavg")  # fmt: skip
     p.add_argument("--delay", type=int, help="DGA's delay D (same as --strategy dga:D)")
     p.add_argument("--no-correction", action="store_true", help="DGA ablation: apply stale averages uncorrected")
     p.add_argument("--dataset", help="digits | fashion-mnist | mnist | shakespeare | hf:NAME")
@@ -145,7 +147,7 @@ def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     from netem.fleet import devices_for, links_for
 
     if config.federation == "simulation" and importlib.util.find_spec("ray") is None:
-        raise ConfigError("--federation simulation needs Ray: pip install 'flwr[simulation]==1.41.0'")
+        raise ConfigError("--federation simulation needs Ray: pip install 'flwr[simulation]==1.42.0'")
     dataset = load_dataset(config.dataset, config.data_dir or None)
     resolve_model(config.model, dataset.kind, dataset.name)
     partition_indices(dataset, config.partition, config.clients, config.seed)
@@ -161,7 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edgefl.report import load_run, plot_single, table
 
     if args.resume:  # the interrupted run's own settings
-        config = dataclasses.replace(load_config(args.resume / "config.toml"), out=str(args.resume))
+        config = dataclasses.replace(load_config(args.resume / CONFIG), out=str(args.resume))
     else:
         config = config_from_args(args)
     preflight(config)

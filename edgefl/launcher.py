@@ -24,13 +24,16 @@ from pathlib import Path
 
 import tomli_w
 
+from contract.flower import FLOWER_CONFIG_FILE
 from contract.run_folder import (
     CHECKPOINT,
+    CONFIG,
     GLOBAL_ONNX,
     MESSAGES,
     REMOTE_RUN,
     ROUNDS,
     SERVER_ERROR,
+    SERVER_LOG,
     SUMMARY,
     Mirror,
     read_rounds,
@@ -43,6 +46,7 @@ from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
 from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail, tail_from
 from netem.fleet import devices_for, links_for
 from netem.testbed import Testbed
+from strategies.registry import app_of
 
 FEDERATION = "edgefl"
 STARTUP_TIMEOUT_S = 90.0
@@ -122,7 +126,7 @@ def flower_env(run_dir: Path) -> dict[str, str]:
 
 def app_for(config: RunConfig) -> str:
     """The key in APPS of the apps that run ``config``."""
-    return "flower" if config.strategy == "flower-fedavg" else "edgefl"
+    return app_of(config.strategy_spec)
 
 
 def superlink_argv(host: str, port: int, certs: ServerCerts | None, node_auth: bool = False) -> list[str]:
@@ -232,7 +236,7 @@ def write_flwr_home(flwr_home: Path, address: str, root_cert: Path | None) -> No
     """``$FLWR_HOME/config.toml`` naming the SuperLink at ``address`` as federation FEDERATION for ``flwr``."""
     tls: dict[str, str | bool] = {"root-certificates": str(root_cert.resolve())} if root_cert else {"insecure": True}
     flwr_home.mkdir(parents=True, exist_ok=True)
-    (flwr_home / "config.toml").write_text(tomli_w.dumps({"superlink": {FEDERATION: {"address": address, **tls}}}))
+    (flwr_home / FLOWER_CONFIG_FILE).write_text(tomli_w.dumps({"superlink": {FEDERATION: {"address": address, **tls}}}))
 
 
 def run_flwr(args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()) -> dict:
@@ -508,7 +512,7 @@ def follow(
         shown = len(rows)
         _check_server_alive(procs, run_dir)
         if time.monotonic() - last_change > stall_s:
-            raise LaunchError(f"no round finished for {stall_s:.0f} s; see {run_dir / 'server.log'}")
+            raise LaunchError(f"no round finished for {stall_s:.0f} s; see {run_dir / SERVER_LOG}")
         time.sleep(0.2)
     for row in read_rounds(run_dir)[shown:]:
         progress(_progress_line(row, config.rounds))
@@ -517,7 +521,7 @@ def follow(
 def run_simulated(config: RunConfig, run_dir: Path, logs: Path, progress: Callable[[str], None]) -> None:
     """The run on Flower's Simulation Engine, in a process of its own (``edgefl.simulation``), followed as a
     deployment's server is; stopping it stops Ray's processes too (they are its descendants)."""
-    save_config(config, run_dir / "config.toml")
+    save_config(config, run_dir / CONFIG)
     with ProcessGroup(logs, flower_env(run_dir)) as procs:
         procs.start("simulation", [sys.executable, "-m", "edgefl.simulation", str(run_dir)])
         progress(
@@ -554,7 +558,7 @@ def run_on(
     run_dir = prepare_run_dir(config, resume)
     started = federation.config
     config = dataclasses.replace(config, link_backend=started.link_backend, device_backend=started.device_backend)
-    save_config(config, run_dir / "config.toml")
+    save_config(config, run_dir / CONFIG)
     run_id = federation.submit(config, run_dir)
     federation.place_devices()
     progress(
@@ -579,7 +583,7 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
             return run_on(federation, config, progress, resume)
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)
-        save_config(config, run_dir / "config.toml")
+        save_config(config, run_dir / CONFIG)
         with ProcessGroup(logs, flower_env(run_dir)) as procs:
             run_id, echo = submit_remote(config, run_dir, procs)
             progress(

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from contract.errors import EdgeflError
-from contract.run_folder import SUMMARY, read_rounds
+from contract.run_folder import PLOT_BYTES, PLOT_ROUNDS, PLOT_TIME, SUMMARY, read_rounds
 from strategies.dga import regime_bounds
 
 
@@ -48,9 +48,9 @@ def cumulative_mb(rows: list[dict[str, Any]]) -> list[float]:
 
 
 X_AXES = (
-    (lambda rows: [r["wall_s"] for r in rows], "wall-clock time (s)", "time"),
-    (lambda rows: [r["round"] for r in rows], "round", "rounds"),
-    (cumulative_mb, "MB on the wire, up + down (log)", "bytes"),
+    (lambda rows: [r["wall_s"] for r in rows], "wall-clock time (s)", PLOT_TIME),
+    (lambda rows: [r["round"] for r in rows], "round", PLOT_ROUNDS),
+    (cumulative_mb, "MB on the wire, up + down (log)", PLOT_BYTES),
 )
 
 
@@ -59,13 +59,13 @@ def plot_runs(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path
     paths = []
     links = {summary["link_profile"] for summary, _ in runs}
     names = [label(s) if len(links) == 1 else f"{label(s)}, {s['link_profile']}" for s, _ in runs]
-    for x_values, x_label, suffix in X_AXES:
+    for x_values, x_label, file_name in X_AXES:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for name, (_, rows) in zip(names, runs, strict=True):
             points = [(x, r["test_accuracy"]) for x, r in zip(x_values(rows), rows, strict=True)]
             points = [(x, accuracy) for x, accuracy in points if accuracy is not None]  # evaluated (--eval-every)
             ax.plot(*zip(*points, strict=True), marker=".", label=name)
-        if suffix == "bytes":
+        if file_name == PLOT_BYTES:
             ax.set_xscale("log")
         target = runs[0][0].get("target_accuracy")
         if target:
@@ -76,7 +76,7 @@ def plot_runs(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        path = out / f"accuracy_vs_{suffix}.png"
+        path = out / file_name
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

@@ -19,11 +19,12 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
-from contract.run_folder import RunFolder
+from contract.run_folder import CONFIG, RunFolder
 from contract.settings import RunConfig, load_config
 from fl_client.simulation import app as client_app
 from fl_server.app import run_in_folder
-from fl_server.simulation import SimulatedServerLoop, host_step_s
+from fl_server.engine import ServerLoop
+from fl_server.simulation import ModelledArrivals, host_step_s
 
 
 def backend_config(config: RunConfig) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def simulate(config: RunConfig, run_dir: Path) -> None:
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        SimulatedServerLoop(grid, config, folder, step_s).run()
+        ServerLoop(grid, config, folder, ModelledArrivals(config, step_s)).run()
 
     simulation = backend_config(config)
     run_in_folder(folder, lambda: run_simulation(server_app, client_app, config.clients, backend_config=simulation))
@@ -50,4 +51,4 @@ def simulate(config: RunConfig, run_dir: Path) -> None:
 
 if __name__ == "__main__":
     run_directory = Path(sys.argv[1])
-    simulate(load_config(run_directory / "config.toml"), run_directory)
+    simulate(load_config(run_directory / CONFIG), run_directory)

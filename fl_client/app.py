@@ -11,8 +11,14 @@ import dataclasses
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from contract.errors import EdgeflError
 from contract.wire import parse_instruction, reply_content
 from edge.agent import EdgeAgent
+
+
+class ClientAppError(EdgeflError, RuntimeError):
+    """edgefl's ClientApp started where it cannot work; ``str()`` is one line for the user."""
+
 
 app = ClientApp()
 _agent: EdgeAgent | None = None
@@ -27,7 +33,7 @@ def attach(agent: EdgeAgent) -> None:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     if _agent is None:
-        raise RuntimeError(
+        raise ClientAppError(
             "edgefl's ClientApp runs inside the edge agent (python -m fl_client.node) beside a SuperNode started "
             "with --isolation process, not in a process of its own"
         )

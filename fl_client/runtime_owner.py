@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from flwr.supercore.protobuf.client import ProtobufCall, ProtobufRequestContext
+
+from contract.flower import ProtobufCall, ProtobufRequestContext
 
 TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 CONNECTED = "connection.connect_tcp.complete"  # httpcore's trace event: the TCP connection is open, nothing sent

@@ -24,7 +24,7 @@ def main() -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.info("Flower's message path: %s", tune())
-    from flwr.supernode.cli.flower_supernode import flower_supernode
+    from contract.flower import flower_supernode
 
     flower_supernode()
 

@@ -32,39 +32,46 @@ from pathlib import Path
 
 import httpx
 from flwr.app import Context, Error, Message
-from flwr.app.message import remove_content_from_message
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode, SubStatus
-from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
-from flwr.proto.message_pb2 import Message as MessageProto  # pylint: disable=E0611
-from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
-from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+from google.protobuf.message import DecodeError
+
+from contract.errors import PeerError
+from contract.flower import (
     AcquireTaskRequest,
+    ErrorCode,
+    HeartbeatSender,
+    MessageProto,
+    Node,
     PullAppMessagesRequest,
     PullTaskInputRequest,
     PushAppMessagesRequest,
     PushTaskOutputRequest,
+    RetryInvoker,
+    RuntimeHttpClient,
+    RuntimeTokenHttpInterceptor,
+    RuntimeVersionHttpInterceptor,
     SendTaskHeartbeatRequest,
-)
-from flwr.supercore.constant import TaskType
-from flwr.supercore.heartbeat import HeartbeatSender
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree, no_object_id_recompute
-from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+    SubStatus,
+    SuperExecAuthHttpInterceptor,
+    TaskIdentity,
+    TaskType,
+    constant,
+    context_from_proto,
+    context_to_proto,
+    get_all_nested_objects,
+    get_object_tree,
     make_confirm_message_received_fn_protobuf,
     make_pull_object_fn_protobuf,
     make_push_object_fn_protobuf,
+    message_from_proto,
+    message_to_proto,
+    no_object_id_recompute,
+    pull_and_inflate_object_from_tree,
+    push_objects,
+    refuse_unless_runtime_api,
+    remove_content_from_message,
+    set_message_id,
 )
-from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree, push_objects
-from flwr.supercore.interceptors import (
-    RuntimeTokenHttpInterceptor,
-    RuntimeVersionHttpInterceptor,
-    SuperExecAuthHttpInterceptor,
-)
-from flwr.supercore.retry import RetryInvoker, constant
-from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supercore.task_identity import TaskIdentity
-from google.protobuf.message import DecodeError
-
 from contract.transport import CONCURRENCY, RETRY_BACKOFF_S
 from fl_client.runtime_owner import NotOurSuperNode, OwnSuperNodeOnly
 
@@ -81,6 +88,10 @@ RESENDS = 5  # tries of a request whose kept-alive connection the SuperNode clos
 RESEND_S = 0.05
 RESENT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
 ABANDONED = "the agent restarted while serving this message"
+
+
+class MissingTaskInput(PeerError, RuntimeError):
+    """The SuperNode gave a task without its message; ``str()`` is the one-line reason."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,9 @@ class TaskServer:
         self, address: str, app: ClientApp | None, secret: bytes | None = None, held_dir: Path | None = None
     ) -> None:
         """``app`` may be set later, before ``serve`` (``fl_client.node`` answers held tasks before it imports the
-        agent)."""
+        agent). Refused (``EdgeflError``, one line) unless the installed flwr's ``flwr-clientapp`` is the code
+        this serves tasks as (``contract.flower.RUNTIME_SOURCE``): there is no stock client to fall back to."""
+        refuse_unless_runtime_api()
         self.address = address
         self.app = app
         self.held_dir = held_dir
@@ -327,7 +340,7 @@ def _pull_input(client: RuntimeHttpClient) -> tuple[Message, Context]:
     deadline = time.monotonic() + INPUT_WAIT_S
     while not (pulled := client.PullMessages(PullAppMessagesRequest())).messages_list:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the SuperNode stored no message for task {res.task_id}")
+            raise MissingTaskInput(f"the SuperNode stored no message for task {res.task_id}")
         time.sleep(RETRY_BACKOFF_S[0])
     node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
     message = pull_and_inflate_object_from_tree(
@@ -340,7 +353,7 @@ def _pull_input(client: RuntimeHttpClient) -> tuple[Message, Context]:
         backoff_cap=RETRY_BACKOFF_S[1],
         max_tries_per_object=None,  # the objects may take long over a slow link; Flower's 2 h max_time holds
     )
-    message.metadata.__dict__["_message_id"] = tree.object_id
+    set_message_id(message, tree.object_id)
     return message, context
 
 
@@ -349,7 +362,7 @@ def _push_reply(client: RuntimeHttpClient, reply: Message) -> None:
     node, run_id = Node(node_id=reply.metadata.src_node_id), reply.metadata.run_id
     with no_object_id_recompute():
         objects = get_all_nested_objects(reply)
-        reply.metadata.__dict__["_message_id"] = reply.object_id
+        set_message_id(reply, reply.object_id)
         pushed = client.PushMessages(
             PushAppMessagesRequest(
                 messages_list=[message_to_proto(remove_content_from_message(reply))],

@@ -14,16 +14,14 @@ from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore.exit import add_exit_handler
 
 from contract.errors import EdgeflError
+from contract.flower import add_exit_handler
 from contract.parent import watch_parent
 from contract.run_folder import (
-    CHECKPOINT,
     ROUNDS,
     SERVER_ERROR,
     RunFolder,
-    load_checkpoint,
     remote_folder_name,
     truncate_rounds,
 )
@@ -43,8 +41,10 @@ def run_folder_of(config: RunConfig, context: Context) -> RunFolder:
         return RunFolder(Path(run_dir))
     runs = Path(os.environ.get("FLWR_HOME", ".flwr")).resolve().parent / "runs"
     resumed = str(context.run_config.get("resume-folder", ""))
-    if resumed == Path(resumed).name and resumed not in ("", ".", "..") and (runs / resumed / CHECKPOINT).is_file():
-        return RunFolder(runs / resumed, echo=True)
+    if resumed == Path(resumed).name and resumed not in ("", ".", ".."):
+        folder = RunFolder(runs / resumed, echo=True)
+        if folder.checkpoint_path.is_file():
+            return folder
     path = runs / remote_folder_name(config.name, context.run_id)
     path.mkdir(parents=True, exist_ok=True)
     return RunFolder(path, echo=True)
@@ -59,10 +59,11 @@ def run_app(context: Context, body: Callable[[RunConfig, RunFolder], None]) -> N
     resumed = str(context.run_config.get("resume-folder", ""))
 
     def run() -> None:
-        if resumed and folder.path.name != resumed:
-            raise EdgeflError(f"nothing to resume: this server has no checkpoint of the run {resumed[:100]!r}")
         if resumed:
-            truncate_rounds(folder.path, load_checkpoint(folder.path)[0])
+            checkpoint = folder.read_checkpoint() if folder.path.name == resumed else None
+            if checkpoint is None:
+                raise EdgeflError(f"nothing to resume: this server has no checkpoint of the run {resumed[:100]!r}")
+            truncate_rounds(folder.path, checkpoint.round)
             folder.resend(ROUNDS)
         body(config, folder)
 
@@ -74,7 +75,7 @@ def run_in_folder(folder: RunFolder, body: Callable[[], None]) -> None:
     ``server_error.txt`` (one line) before it propagates. So is a stop (Flower's exit on a signal: ``flwr stop``,
     the server shutting down), while Flower still streams the log: an echoing folder's submitter gets the
     checkpoint with it."""
-    handler = logging.FileHandler(folder.path / "server.log")
+    handler = logging.FileHandler(folder.server_log)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logger = logging.getLogger("edgefl")
     logger.addHandler(handler)

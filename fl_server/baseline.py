@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from contract.flower import meter_grid
 from contract.run_folder import (
     MESSAGES,
     ROUNDS,
@@ -42,32 +43,37 @@ app = ServerApp()
 
 class _Meter:
     """Counts serialized bytes through a grid and records each message round trip, by wrapping its push/pull on
-    the instance, so that Flower's own ``send_and_receive`` (which calls them) is what runs."""
+    the instance (``contract.flower.meter_grid``, refused on Flower code it was not checked against), so that
+    Flower's own ``send_and_receive`` (which calls them) is what runs."""
 
     def __init__(self, grid: Grid, folder: RunFolder) -> None:
         self.up = self.down = 0
         self.replied: set[int] = set()  # partitions whose replies came since the last round closed
         self._sent: dict[str, tuple[int, float, WireSize]] = {}
-        push, pull = grid.push_messages, grid.pull_messages
 
-        def push_messages(messages):  # type: ignore[no-untyped-def]
-            messages = list(messages)
-            sent_at = time.monotonic()
-            ids = list(push(messages))
-            for message, message_id in zip(messages, ids, strict=True):
-                size = wire_size(message)
-                self.down += size.bytes
-                self._sent[message_id] = (message.metadata.dst_node_id, sent_at, size)
-            return ids
+        def metered_push(push):  # type: ignore[no-untyped-def]
+            def push_messages(messages):  # type: ignore[no-untyped-def]
+                messages = list(messages)
+                sent_at = time.monotonic()
+                ids = list(push(messages))
+                for message, message_id in zip(messages, ids, strict=True):
+                    size = wire_size(message)
+                    self.down += size.bytes
+                    self._sent[message_id] = (message.metadata.dst_node_id, sent_at, size)
+                return ids
 
-        def pull_messages(message_ids):  # type: ignore[no-untyped-def]
-            replies = list(pull(message_ids))
-            for reply in replies:
-                self._record(folder, reply)
-            return replies
+            return push_messages
 
-        grid.push_messages = push_messages  # type: ignore[method-assign]
-        grid.pull_messages = pull_messages  # type: ignore[method-assign]
+        def metered_pull(pull):  # type: ignore[no-untyped-def]
+            def pull_messages(message_ids):  # type: ignore[no-untyped-def]
+                replies = list(pull(message_ids))
+                for reply in replies:
+                    self._record(folder, reply)
+                return replies
+
+            return pull_messages
+
+        meter_grid(grid, metered_push, metered_pull)
 
     def _record(self, folder: RunFolder, reply: Message) -> None:
         pulled_at, size = time.monotonic(), wire_size(reply)

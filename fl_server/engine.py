@@ -19,11 +19,15 @@ Each update's ``num_examples`` is bounded by its partition's size (``strategies.
 here from the evaluation's copy of the data set, as the devices make it (``split_sizes``), or where that cannot be
 made, what the partition's first node declared (``fl_server.membership``).
 
-Resume: a run folder that holds a checkpoint continues from it (``edgefl run --resume``): global model, round,
-wall clock, the norm history of update validation and the server's global momentum (``gm=BETA``); rows after
-the checkpoint's round are dropped. DGA's server state is just the round and the global model; the clients
-restart from that model, so the rounds they had trained or sent after the checkpoint are trained again — none is
-lost and none is applied twice."""
+One loop serves the deployment and a simulation: ``ServerLoop`` is given a ``ReplySource`` — where replies come
+from and on which clock (``PulledReplies``: pulled from the SuperLink on this host's monotonic clock;
+``fl_server.simulation.ModelledArrivals``: Ray's, in modelled arrival order on a virtual clock).
+
+Resume: a run folder that holds a checkpoint continues from it (``edgefl run --resume``; ``RunState``): global
+model, round, wall clock, the norm history of update validation, the server's global momentum (``gm=BETA``) and
+the strategy's server state (SCAFFOLD's control variates); rows after the checkpoint's round are dropped. DGA's
+server state is just the round and the global model; the clients restart from that model, so the rounds they had
+trained or sent after the checkpoint are trained again — none is lost and none is applied twice."""
 
 from __future__ import annotations
 
@@ -36,26 +40,25 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from flwr.app import Error, Message
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
+from contract.flower import ErrorCode
 from contract.messages import TrainInstruction, TrainReply
 from contract.run_folder import (
     GLOBAL_ONNX,
     MESSAGES,
     ROUNDS,
+    SERVER_LOG,
     SUMMARY,
     Checkpoint,
     MessageTrip,
     RunFolder,
-    read_checkpoint,
     read_rounds,
-    save_checkpoint,
     summarize,
     summary_bytes,
     truncate_rounds,
@@ -63,14 +66,15 @@ from contract.run_folder import (
 from contract.settings import RunConfig
 from contract.transport import FAST, STOCK
 from contract.wire import WireError, WireSize, parse_reply, reply_key, train_message, wire_size
-from fl_server.membership import Membership
+from fl_server.membership import Membership, PushRefused, RoundStuck
 from fl_server.robust import make_aggregator
 from ml.data import DataError, Dataset, load_dataset, one_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.onnx import export_onnx
-from ml.trainer import evaluate
+from ml.trainer import evaluate, scheduled_lr
 from strategies.downlink import BroadcastEncoder, model_digest
 from strategies.fedavg import global_momentum
+from strategies.registry import server_half
 from strategies.rounds import (
     MAX_FAILED_REPLIES,
     ClosedRound,
@@ -80,6 +84,7 @@ from strategies.rounds import (
     Update,
     pipeline_window,
 )
+from strategies.strategy import ServerHalf, ServerSetup
 from strategies.validation import NormOutlierFilter
 
 log = logging.getLogger("edgefl.server")
@@ -122,6 +127,16 @@ def split_sizes(dataset: Dataset, config: RunConfig) -> dict[int, int] | None:
     except DataError as exc:
         log.warning("the run's split cannot be made here (%s): each partition's first node declares its size", exc)
         return None
+
+
+def strategy_half(config: RunConfig, size: int) -> ServerHalf:
+    """The server half of the run's strategy, for a model of ``size`` parameters."""
+    job = config.client_job()
+    setup = ServerSetup(
+        size, config.clients, config.local_steps, job.local_momentum,
+        lambda round_: scheduled_lr(config.lr, config.lr_schedule, round_, config.rounds),
+    )  # fmt: skip
+    return server_half(config.strategy_spec, setup)
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> list[int]:
@@ -182,7 +197,7 @@ class Evaluator:
             loss, accuracy = evaluate(self.model, self.x, self.y)
             log.info("round %d  accuracy %.4f  loss %.4f  wall %.1f s", c.round, accuracy, loss, row["wall_s"])
         self.folder.append(ROUNDS, {**row, "test_loss": loss, "test_accuracy": accuracy})
-        save_checkpoint(self.folder.path, c.round, c.params, c.wall_s, c.recent_norms, c.momentum)
+        self.folder.save_checkpoint(c)
 
     def close(self) -> None:
         """Wait for the evaluations left; raises the first that failed."""
@@ -308,10 +323,127 @@ class Traffic:
         return out
 
 
+class RunState:
+    """What a run keeps across processes: resumed from the run's checkpoint when it has one (``--resume``), and
+    checkpointed after each closed round — the global model and its round, the wall clock, the norm history of
+    update validation, global momentum (``gm=BETA``) and the strategy's server state (``ServerHalf.state``)."""
+
+    def __init__(self, config: RunConfig, folder: RunFolder, start_params: np.ndarray) -> None:
+        """``start_params``: the seeded start model, for a run without a checkpoint. Rows after the checkpoint's
+        round are dropped."""
+        self.start = folder.read_checkpoint() or Checkpoint(0, start_params)
+        truncate_rounds(folder.path, self.start.round)
+        size = self.start.params.size
+        self.validator = NormOutlierFilter(norms=self.start.recent_norms)
+        self.momentum = global_momentum(config.codec_spec, size, self.start.momentum)
+        self.strategy = strategy_half(config, size)
+        self.strategy.restore(self.start.strategy)
+
+    def checkpoint(self, closed: ClosedRound, wall_s: float) -> Checkpoint:
+        """The state after ``closed``, at the run's wall clock ``wall_s``."""
+        norms = np.array(self.validator.norms)
+        return Checkpoint(closed.round, closed.global_params, wall_s, norms, closed.momentum, closed.strategy_state)
+
+
+class ReplySource(Protocol):
+    """Where the loop's replies come from, and on which clock: the deployment's, pulled from the SuperLink on this
+    host's monotonic clock (``PulledReplies``), or a simulation's, taken from Ray in modelled arrival order on a
+    virtual clock (``fl_server.simulation.ModelledArrivals``). The loop calls these and nothing else of it; the
+    source drives the loop through its public methods (``push_requests``, ``send``, ``settle``,
+    ``close_rounds``)."""
+
+    transport: str  # how this server moves messages (contract.transport)
+
+    def attach(self, loop: ServerLoop) -> None:
+        """The loop it serves, once, when the loop is made."""
+        ...
+
+    def now(self) -> float:
+        """The run's clock."""
+        ...
+
+    def start(self) -> None:
+        """Every partition has its node and the clock runs."""
+        ...
+
+    def push(self) -> bool:
+        """Send what is due now; whether anything was."""
+        ...
+
+    def pull(self) -> bool:
+        """Settle the replies that have arrived by now; whether any did."""
+        ...
+
+    def wait(self, timeout_s: float) -> None:
+        """Nothing to do: wait up to ``timeout_s`` for a reply."""
+        ...
+
+    def round_closed(self, closed: ClosedRound, now: float) -> None:
+        """A round closed at ``now`` (its row and checkpoint are the loop's)."""
+        ...
+
+    def row(self) -> dict[str, Any]:
+        """Columns of its own for a closed round's row."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """What summary.json says about how the run was carried."""
+        ...
+
+
+class PulledReplies:
+    """The deployment's replies: pulled from the SuperLink in background threads (``ReplyPuller``), on this host's
+    monotonic clock; every message is the round engine's next request (``ServerLoop.push_requests``)."""
+
+    def __init__(self, grid: Grid, transport: str) -> None:
+        self.transport = transport
+        self.puller = ReplyPuller(grid)
+
+    def attach(self, loop: ServerLoop) -> None:
+        self.loop = loop
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def start(self) -> None:
+        pass
+
+    def push(self) -> bool:
+        return self.loop.push_requests()
+
+    def pull(self) -> bool:
+        """Settle the replies pulled meanwhile and pull again. A reply to a message no longer outstanding (its
+        node was retired, or a second copy: ``ReplyPuller``) is dropped."""
+        settled = False
+        for p in self.puller.take():
+            if p.reply.metadata.reply_to_message_id in self.loop.outstanding:
+                self.loop.settle(p.reply, p.parsed, p.size, p.at)
+                settled = True
+        if self.loop.outstanding:
+            self.puller.poll(list(self.loop.outstanding))
+        return settled
+
+    def wait(self, timeout_s: float) -> None:
+        self.puller.wait(timeout_s)
+
+    def round_closed(self, closed: ClosedRound, now: float) -> None:
+        pass
+
+    def row(self) -> dict[str, Any]:
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
 class ServerLoop:
-    def __init__(self, grid: Grid, config: RunConfig, folder: RunFolder, transport: str) -> None:
+    """One run's server: membership, the round engine, the messages in flight, traffic, evaluation, resume and
+    the summary, driven by its ``ReplySource``."""
+
+    def __init__(self, grid: Grid, config: RunConfig, folder: RunFolder, source: ReplySource) -> None:
         self.grid = grid
-        self.transport = {-1: transport}  # this server's, then each partition's as its replies report it
+        self.source = source
+        self.transport = {-1: source.transport}  # this server's, then each partition's as its replies report it
         self.config = config
         self.folder = folder
         job = config.client_job()
@@ -320,26 +452,24 @@ class ServerLoop:
         sizes = split_sizes(self.evaluator.dataset, config)
         self.members = Membership(sizes or {}, split=sizes is not None)
         model = self.evaluator.model
-        start = read_checkpoint(folder.path) or Checkpoint(0, get_flat_params(model), 0.0, np.zeros(0), np.zeros(0))
-        truncate_rounds(folder.path, start.round)
-        self.validator = NormOutlierFilter(norms=start.recent_norms)
+        self.state = RunState(config, folder, get_flat_params(model))
+        start = self.state.start
+        self.strategy = self.state.strategy
         self.engine = RoundEngine(
             start.params,
             param_layout(model),
             rounds=config.rounds,
             num_clients=config.clients,
-            delay=config.strategy_spec.delay,
             quorum=config.quorum,
             deadline_s=config.round_deadline_s,
             start_round=start.round,
             aggregator=make_aggregator(config.aggregate_spec),
-            validator=self.validator,
+            validator=self.state.validator,
             clients_build_start=start.round == 0,  # a client's Session builds the seeded start model itself
-            momentum=global_momentum(config.codec_spec, start.params.size, start.momentum),
+            momentum=self.state.momentum,
             sampler=job.sampler(),
-            buffer=config.strategy_spec.buffer,
-            server_lr=config.strategy_spec.server_lr,
-            window=pipeline_window(config.strategy_spec.delay, config.strategy_spec.buffer, job.sampler().everyone),
+            strategy=self.strategy,
+            window=pipeline_window(self.strategy.delay, self.strategy.buffer, job.sampler().everyone),
             partition_sizes=self.members.sizes,
         )
         self.wall_offset_s = start.wall_s
@@ -348,9 +478,9 @@ class ServerLoop:
         )
         self.traffic = Traffic()
         self.outstanding: dict[str, InFlight] = {}
-        self.puller = ReplyPuller(grid)
         self.health: dict[int, dict[str, Any]] = {}  # newest report per partition: peak RSS, temperature
         self.t0 = 0.0
+        source.attach(self)
 
     def run(self) -> None:
         self._admit_first_nodes()
@@ -361,49 +491,45 @@ class ServerLoop:
         )  # fmt: skip
         self.t0 = self.now() - self.wall_offset_s
         self.engine.start_clock(self.now())
-        self._started()
+        self.source.start()
         refreshed = time.monotonic()
         try:
             while not self.engine.done:
                 if time.monotonic() - refreshed >= NODE_REFRESH_S:
                     self._refresh_nodes()
                     refreshed = time.monotonic()
-                busy = self._push()
-                busy |= self._pull()
-                self._close_rounds()
+                busy = self.source.push()
+                busy |= self.source.pull()
+                self.close_rounds()
                 self.evaluator.check()
                 if not busy:
-                    self.puller.wait(POLL_S)
+                    self.source.wait(POLL_S)
         finally:
             self.evaluator.close()
         self.evaluator.export(self.engine.global_params)
         summary = summarize(
             self.config.as_dict(), read_rounds(self.folder.path), read_rounds(self.folder.path, MESSAGES)
         )
-        self.folder.write(SUMMARY, summary_bytes({**summary, **self.summary_extra()}))
+        carried = {"transport": FAST if set(self.transport.values()) == {FAST} else STOCK, **self.source.summary()}
+        self.folder.write(SUMMARY, summary_bytes({**summary, **carried}))
 
     def now(self) -> float:
-        """The run's clock: this host's monotonic seconds (a simulation's is modelled, ``fl_server.simulation``)."""
-        return time.monotonic()
-
-    def _started(self) -> None:
-        """Every partition has its node and the clock runs (a simulation sets up its clients' timelines here)."""
+        """The run's clock (its source's)."""
+        return self.source.now()
 
     def _round_closed(self, closed: ClosedRound, now: float) -> None:
         """A round closed at ``now``: its row and checkpoint go to the evaluator."""
-        norms = np.array(self.validator.norms)
-        checkpoint = Checkpoint(closed.round, closed.global_params, now - self.t0, norms, closed.momentum)
-        self.evaluator.submit(self._row(closed, now - self.t0), checkpoint)
+        self.evaluator.submit(self._row(closed, now - self.t0), self.state.checkpoint(closed, now - self.t0))
+        self.source.round_closed(closed, now)
 
-    def summary_extra(self) -> dict[str, Any]:
-        """What summary.json says about how the run was carried, next to its results."""
-        return {"transport": FAST if set(self.transport.values()) == {FAST} else STOCK}
-
-    def _message(self, node: int, request: Request) -> Message:
+    def message(self, node: int, request: Request) -> Message:
+        """The message of ``request``, its global model as the broadcast delivers it (``--compress-down``)."""
         broadcast = None
         if request.global_round is not None:
             broadcast = self.broadcaster.broadcast(request.global_round, request.global_params, request.held_round)
-        instr = TrainInstruction(self.job, request.next_round, request.last_round, broadcast, resend=request.resend)
+        instr = TrainInstruction(
+            self.job, request.next_round, request.last_round, broadcast, resend=request.resend, state=request.state
+        )
         return train_message(instr, node)
 
     def _admit_first_nodes(self) -> None:
@@ -414,11 +540,11 @@ class ServerLoop:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"only partitions {sorted(self.members.admitted.values())} of {self.config.clients} have a "
-                    f"node after {NODE_WAIT_S:.0f} s; see {self.folder.path / 'server.log'}"
+                    f"node after {NODE_WAIT_S:.0f} s; see {self.folder.path / SERVER_LOG}"
                 )
             self._refresh_nodes()
-            if not (self._push() | self._pull()):
-                self.puller.wait(POLL_S)
+            if not (self.source.push() | self.source.pull()):
+                self.source.wait(POLL_S)
 
     def _refresh_nodes(self) -> None:
         """Retire the admitted nodes that left (their messages in flight are dropped, never counted); new ones are
@@ -427,18 +553,20 @@ class ServerLoop:
             self.engine.retire(node)
             self.outstanding = {msg_id: m for msg_id, m in self.outstanding.items() if m.node != node}
 
-    def _push(self) -> bool:
-        messages = self._identify_messages()
+    def push_requests(self) -> bool:
+        """Ask the new nodes who they are and send every admitted node the round engine's next requests; whether
+        anything was sent."""
+        messages = self.identify_messages()
         for node, partition in sorted(self.members.admitted.items()):
             while (request := self.engine.next_request(node, partition)) is not None:
-                messages.append((self._message(node, request), False))
-        return bool(self._send(messages))
+                messages.append((self.message(node, request), False))
+        return bool(self.send(messages))
 
-    def _identify_messages(self) -> list[tuple[Message, bool]]:
+    def identify_messages(self) -> list[tuple[Message, bool]]:
         """A new node is first asked which partition it trains (``fl_server.membership``)."""
         return [(train_message(TrainInstruction.identify(self.job), node), True) for node in self.members.to_ask()]
 
-    def _send(self, messages: list[tuple[Message, bool]]) -> list[str]:
+    def send(self, messages: list[tuple[Message, bool]]) -> list[str]:
         """Push (message, asks who the node is) pairs; each is then outstanding until its reply is settled."""
         if not messages:
             return []
@@ -446,25 +574,13 @@ class ServerLoop:
         ids = list(self.grid.push_messages([msg for msg, _ in messages]))
         for (msg, identify), msg_id in zip(messages, ids, strict=True):
             if msg_id is None:
-                raise RuntimeError(f"the SuperLink refused a message to node {msg.metadata.dst_node_id}")
+                raise PushRefused(f"the SuperLink refused a message to node {msg.metadata.dst_node_id}")
             size = wire_size(msg)
             self.outstanding[msg_id] = InFlight(msg.metadata.dst_node_id, sent_at, size, identify, reply_key(msg))
             self.traffic.down += size.bytes
         return ids
 
-    def _pull(self) -> bool:
-        """Settle the replies pulled meanwhile and pull again. A reply to a message no longer outstanding (its
-        node was retired, or a second copy: ``ReplyPuller``) is dropped."""
-        settled = False
-        for p in self.puller.take():
-            if p.reply.metadata.reply_to_message_id in self.outstanding:
-                self._settle(p.reply, p.parsed, p.size, p.at)
-                settled = True
-        if self.outstanding:
-            self.puller.poll(list(self.outstanding))
-        return settled
-
-    def _settle(self, reply: Message, parsed: TrainReply | str | None, size: WireSize, pulled_at: float) -> None:
+    def settle(self, reply: Message, parsed: TrainReply | str | None, size: WireSize, pulled_at: float) -> None:
         """Take a pulled reply (``parsed``: see ``parsed_reply``; ``size``: its ``wire_size``) and log its trip."""
         message_id = reply.metadata.reply_to_message_id
         sent = self.outstanding.pop(message_id)
@@ -552,14 +668,14 @@ class ServerLoop:
         """Stop the run once its oldest open round can never close (e.g. training diverged: NaN, or updates refused
         as outliers): resending the global model would repeat the same failure forever."""
         if self.engine.stuck:
-            raise RuntimeError(
+            raise RoundStuck(
                 f"round {self.engine.aggregated + 1} cannot close: it needs {self.engine.min_clients} of "
                 f"{self.engine.per_round} clients' updates and too few can still give one (a client whose last "
                 f"{MAX_FAILED_REPLIES} replies failed or were refused counts as failed), the last from node "
                 f"{node}: {reason}"
             )
 
-    def _close_rounds(self) -> bool:
+    def close_rounds(self) -> bool:
         """Close what can be closed now; whether any round closed."""
         now = self.now()
         closed_rounds = self.engine.close_rounds(now)
@@ -577,10 +693,11 @@ class ServerLoop:
             "train_loss": float(np.mean([x for x in closed.losses if math.isfinite(x)] or [math.nan])),
             "client_health": {str(pid): report for pid, report in sorted(self.health.items())},
             **self.traffic.take(),
+            **self.source.row(),
         }
 
 
 def serve(grid: Grid, config: RunConfig, folder: RunFolder, transport: str) -> None:
     """Run ``config`` to its end; ``transport`` is how this process moves messages (``contract.transport``)."""
     torch.set_num_threads(1)
-    ServerLoop(grid, config, folder, transport).run()
+    ServerLoop(grid, config, folder, PulledReplies(grid, transport)).run()

@@ -18,7 +18,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from contract.errors import PeerError
+
 log = logging.getLogger("edgefl.server")
+
+
+class PushRefused(PeerError, RuntimeError):
+    """The SuperLink did not take a message the server pushed to a node; ``str()`` is the one-line reason."""
+
+
+class RoundStuck(RuntimeError):
+    """The run stops: its oldest open round can never close, too few clients being able to still send an update
+    (``str()`` says why, with the last reason of a failed or refused reply)."""
 
 
 @dataclass

@@ -16,8 +16,8 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
-from flwr.server.strategy.aggregate import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 
+from contract.flower import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 from strategies.rounds import Aggregator
 from strategies.spec import Spec
 

@@ -33,10 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from contract.messages import TrainInstruction, TrainReply
-from contract.run_folder import RunFolder
 from contract.settings import RunConfig
 from contract.transport import SIMULATION
 from contract.wire import WireSize, train_message, wire_size
@@ -80,24 +78,23 @@ def host_step_s(config: RunConfig) -> float:
     return float(np.median(samples))
 
 
-class SimulatedServerLoop(ServerLoop):
-    """``ServerLoop`` on the virtual clock: replies are taken in modelled arrival order (module docstring)."""
+class ModelledArrivals:
+    """A simulation's ``ReplySource``: replies taken from Ray in modelled arrival order, on the virtual clock
+    (module docstring)."""
 
-    def __init__(self, grid: Grid, config: RunConfig, folder: RunFolder, step_s: float) -> None:
+    transport = SIMULATION
+
+    def __init__(self, config: RunConfig, step_s: float) -> None:
         """``step_s``: this host's seconds per local step (``host_step_s``, measured before Ray starts)."""
-        super().__init__(grid, config, folder, SIMULATION)
         torch.set_num_threads(1)
+        self.config = config
         self.step_s = step_s
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
         self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s)
         self.cycles: Counter[int] = Counter()  # partition → message cycles it made (the first pay slow start)
         self.last_sent: dict[int, float] = {}  # partition → when its last message left (its models' rhythm)
-        self.pipelined = (  # see the docstring
-            not config.strategy_spec.buffer and self.engine.sampler.everyone and config.compress_down == "none"
-        )
         self.timelines: dict[int, ClientTimeline] = {}  # partition → its pipeline, once the clock runs
         self.starting: dict[str, tuple[int, float]] = {}  # message → (partition, when its round starts)
-        self.globals: dict[int, np.ndarray] = {self.engine.aggregated: self.engine.global_params}
         self.held: dict[int, int] = {}  # partition → the newest global round sent to it
         self.down_bytes = 0  # a message with a dense global model (measured when the clock starts)
         self.clock = 0.0
@@ -106,10 +103,25 @@ class SimulatedServerLoop(ServerLoop):
         self.seq = itertools.count()
         self.real_t0 = time.monotonic()
 
+    def attach(self, loop: ServerLoop) -> None:
+        self.loop = loop
+        self.engine = loop.engine
+        self.pipelined = (  # see the module docstring
+            not loop.strategy.buffer and self.engine.sampler.everyone and self.config.compress_down == "none"
+        )
+        self.globals: dict[int, np.ndarray] = {self.engine.aggregated: self.engine.global_params}
+
     def now(self) -> float:
         return self.clock
 
-    def summary_extra(self) -> dict[str, Any]:
+    def wait(self, timeout_s: float) -> None:
+        """Ray's workers are training what was sent: look again in ``timeout_s``."""
+        time.sleep(timeout_s)
+
+    def row(self) -> dict[str, Any]:
+        return {"real_s": time.monotonic() - self.real_t0}
+
+    def summary(self) -> dict[str, Any]:
         return {
             "transport": SIMULATION,
             "clock": {
@@ -124,7 +136,7 @@ class SimulatedServerLoop(ServerLoop):
             "real_s": time.monotonic() - self.real_t0,
         }
 
-    def _started(self) -> None:
+    def start(self) -> None:
         if not self.pipelined:
             return
         start_round, params = self.engine.aggregated, self.engine.global_params
@@ -140,8 +152,7 @@ class SimulatedServerLoop(ServerLoop):
             self.held[partition] = -1  # nothing delivered yet
             self.timelines[partition] = timeline
 
-    def _round_closed(self, closed: ClosedRound, now: float) -> None:
-        super()._round_closed(closed, now)
+    def round_closed(self, closed: ClosedRound, now: float) -> None:
         if self.pipelined:
             self.globals[closed.round] = closed.global_params
             for old in [r for r in self.globals if r < closed.round - self.engine.delay - 1]:
@@ -149,11 +160,11 @@ class SimulatedServerLoop(ServerLoop):
             for timeline in self.timelines.values():
                 timeline.global_sent(now, closed.round, self.down_bytes)
 
-    def _push(self) -> bool:
+    def push(self) -> bool:
         if not self.pipelined:
-            return super()._push()
-        busy = bool(self._send(self._identify_messages()))  # the rounds wait for the clock to start (_started)
-        for node, partition in sorted(self.members.admitted.items()):
+            return self.loop.push_requests()
+        busy = bool(self.loop.send(self.loop.identify_messages()))  # the rounds wait for the clock (start)
+        for node, partition in sorted(self.loop.members.admitted.items()):
             if not self.timelines:
                 break
             timing = self._departure(partition)
@@ -163,34 +174,34 @@ class SimulatedServerLoop(ServerLoop):
             newest = timeline.newest_by(start)
             fresh = newest if newest > self.held[partition] else None
             request = self.engine.assign(node, timeline.next_round, fresh, self.globals.get(newest))
-            [msg_id] = self._send([(self._dense_message(node, request), False)])
+            [msg_id] = self.loop.send([(self._dense_message(node, request), False)])
             if fresh is not None:
                 self.held[partition] = fresh
-            sent = self.outstanding[msg_id]
-            self.outstanding[msg_id] = dataclasses.replace(sent, sent_at=leaves)
+            sent = self.loop.outstanding[msg_id]
+            self.loop.outstanding[msg_id] = dataclasses.replace(sent, sent_at=leaves)
             self.starting[msg_id] = (partition, start)
             busy = True
         return busy
 
-    def _pull(self) -> bool:
+    def pull(self) -> bool:
         if self.timelines:
             return self._pull_pipelined()
         arrived = {reply.metadata.reply_to_message_id for _, _, reply, _, _ in self.arrivals}
-        waiting = [msg_id for msg_id in self.outstanding if msg_id not in arrived]
-        replies = list(self.grid.pull_messages(waiting)) if waiting else []
+        waiting = [msg_id for msg_id in self.loop.outstanding if msg_id not in arrived]
+        replies = list(self.loop.grid.pull_messages(waiting)) if waiting else []
         for reply in replies:
             self._arrive(reply)
-        if not self.arrivals or len(self.arrivals) < len(self.outstanding):
+        if not self.arrivals or len(self.arrivals) < len(self.loop.outstanding):
             return bool(replies)
         at = self.arrivals[0][0]
         deadline = self.engine.deadline_at
         if deadline is not None and self.clock <= deadline < at:
             self.clock = deadline  # the deadline comes first: a round it closes sends the next before `at`
-            if self._close_rounds():
+            if self.loop.close_rounds():
                 return True
         _, _, reply, parsed, size = heapq.heappop(self.arrivals)
         self.clock = max(self.clock, at)
-        self._settle(reply, parsed, size, self.clock)
+        self.loop.settle(reply, parsed, size, self.clock)
         return True
 
     def _dense_message(self, node: int, request: Request) -> Message:
@@ -203,7 +214,9 @@ class SimulatedServerLoop(ServerLoop):
         elif request.global_round is not None:
             part = Part(request.global_round, DENSE_STYPE, dense_payload(request.global_params))
             broadcast = Broadcast(NO_BASE, (part,), model_digest(request.global_params))
-        instruction = TrainInstruction(self.job, request.next_round, request.last_round, broadcast)
+        instruction = TrainInstruction(
+            self.loop.job, request.next_round, request.last_round, broadcast, state=request.state
+        )
         return train_message(instruction, node)
 
     def _next_start(self, partition: int) -> float | None:
@@ -227,11 +240,11 @@ class SimulatedServerLoop(ServerLoop):
         return start, start - timeline.model.down_s(self.down_bytes, timeline.cycles)
 
     def _pull_pipelined(self) -> bool:
-        """Take Ray's answers, then move the clock to the next event — a round's start (``_push`` sends it) or an
+        """Take Ray's answers, then move the clock to the next event — a round's start (``push`` sends it) or an
         update's arrival (settled) — once no message Ray has not answered yet can arrive before it."""
         arrived = {reply.metadata.reply_to_message_id for _, _, reply, _, _ in self.arrivals}
-        waiting = [msg_id for msg_id in self.outstanding if msg_id not in arrived]
-        replies = list(self.grid.pull_messages(waiting)) if waiting else []
+        waiting = [msg_id for msg_id in self.loop.outstanding if msg_id not in arrived]
+        replies = list(self.loop.grid.pull_messages(waiting)) if waiting else []
         for reply in replies:
             self._arrive(reply)
         answered = {reply.metadata.reply_to_message_id for _, _, reply, _, _ in self.arrivals}
@@ -252,13 +265,13 @@ class SimulatedServerLoop(ServerLoop):
         deadline = self.engine.deadline_at
         if deadline is not None and self.clock <= deadline < upcoming:
             self.clock = deadline  # the deadline comes first
-            if self._close_rounds():
+            if self.loop.close_rounds():
                 return True
         self.clock = max(self.clock, upcoming)
         if next_departure <= next_arrival:
-            return True  # _push sends the message that leaves now
+            return True  # push sends the message that leaves now
         _, _, reply, parsed, size = heapq.heappop(self.arrivals)
-        self._settle(reply, parsed, size, self.clock)
+        self.loop.settle(reply, parsed, size, self.clock)
         return True
 
     def _arrive(self, reply: Message) -> None:
@@ -266,9 +279,9 @@ class SimulatedServerLoop(ServerLoop):
         starts with the first round)."""
         parsed, size = parsed_reply(reply), wire_size(reply)
         message_id = reply.metadata.reply_to_message_id
-        sent = self.outstanding[message_id]
+        sent = self.loop.outstanding[message_id]
         if sent.identify:
-            self._settle(reply, parsed, size, self.clock)
+            self.loop.settle(reply, parsed, size, self.clock)
             return
         if message_id in self.starting:
             partition, start = self.starting.pop(message_id)
@@ -278,7 +291,7 @@ class SimulatedServerLoop(ServerLoop):
             heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
             return
         steps = len(parsed.updates) * self.config.local_steps if isinstance(parsed, TrainReply) else 0
-        partition = self.members.admitted[sent.node]
+        partition = self.loop.members.admitted[sent.node]
         parsed = self._on_device(parsed, partition)
         cycle_index = self.cycles[partition]
         self.cycles[partition] += 1
@@ -297,6 +310,3 @@ class SimulatedServerLoop(ServerLoop):
         train_s = self.config.local_steps * self.models[partition].step_s
         updates = tuple(dataclasses.replace(update, train_s=train_s) for update in parsed.updates)
         return dataclasses.replace(parsed, updates=updates, **changes)
-
-    def _row(self, closed: ClosedRound, wall_s: float) -> dict[str, Any]:
-        return {**super()._row(closed, wall_s), "real_s": time.monotonic() - self.real_t0}

@@ -1,13 +1,15 @@
 """The models a run may name (``--model``), and which data each fits: one table, without torch, so that a run's
 settings are checked when they are parsed. ``ml.models`` builds them.
 
-``auto`` is the data set's small model: the CNN for images, the character LSTM for text."""
+``auto`` is the data set's small model: the CNN for images, the character LSTM for text. The partition schemes a
+run may name (``PARTITIONS``) are here too, so that ``ml.data`` and ``ml.partition`` read the same table."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from contract.errors import EdgeflError
+from strategies.spec import Parameter
 
 AUTO = "auto"
 
@@ -75,3 +77,12 @@ def check_model_for(name: str, dataset: str) -> None:
         check_model_name(name)
     if dataset in DATASET_KINDS:
         resolve_model(name, DATASET_KINDS[dataset], dataset)
+
+
+# The partition schemes a run may name (``--partition``, ``ml.partition``): NAME or NAME:VALUE.
+PARTITIONS: dict[str, Parameter | None] = {
+    "iid": None,
+    "dirichlet": Parameter("a concentration ALPHA > 0", lambda alpha: alpha > 0),
+    "pathological": Parameter("a whole number K ≥ 1 of classes per client", lambda k: k >= 1, integer=True),
+    "natural": None,
+}

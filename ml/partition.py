@@ -19,7 +19,8 @@ from flwr_datasets.partitioner import (
     PathologicalPartitioner,
 )
 
-from ml.data import PARTITIONS, DataError, Dataset, one_line
+from ml.catalog import PARTITIONS
+from ml.rows import DataError, Dataset, one_line
 from strategies.spec import parse_spec
 
 _DIRICHLET_MIN_PARTITION_SIZE = 10

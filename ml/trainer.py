@@ -1,5 +1,6 @@
 """Local training and evaluation on the device: minibatch SGD through torch's own optimizer, whose state
-(momentum) lives as long as the trainer, across rounds."""
+(momentum) lives as long as the trainer, across rounds, on the objective the run's strategy gives
+(``strategies.strategy.LocalObjective``: FedProx's proximal term, SCAFFOLD's correction)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from contract.errors import PeerError
 from ml.data import Rows
+from strategies.strategy import PLAIN, LocalObjective
+
+
+class ObjectiveError(PeerError, ValueError):
+    """A local objective whose vectors do not fit the model (the drift the server sent with a global model);
+    ``str()`` is the one-line reason."""
 
 
 def scheduled_lr(base: float, schedule: str, round_: int, rounds: int) -> float:
@@ -59,18 +67,53 @@ class LocalTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def train_steps(self, steps: int) -> float:
-        """Run ``steps`` optimizer steps; returns the mean training loss."""
+    def train_steps(self, steps: int, objective: LocalObjective = PLAIN) -> float:
+        """Run ``steps`` optimizer steps, each on the data's loss plus ``objective``'s terms (added to the
+        gradient: μ (w − w_anchor) + drift); returns the mean training loss (of the data alone)."""
         self.model.train()
+        terms = None if objective.plain else self._terms(objective)
         total = 0.0
         for _ in range(steps):
             xb, yb = self._next_batch()
             self.optimizer.zero_grad(set_to_none=True)
             loss = self._loss(self.model(xb), yb)
             loss.backward()
+            if terms is not None:
+                self._add_terms(objective.mu, terms)
             self.optimizer.step()
             total += float(loss.detach())
         return total / max(steps, 1)
+
+    def _terms(self, objective: LocalObjective) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Per parameter: the anchor's and the drift's slice of their flat vectors (``get_flat_params`` order)."""
+        params = list(self.model.parameters())
+        anchor = None if objective.mu == 0.0 or objective.anchor is None else torch.from_numpy(objective.anchor)
+        drift = None if objective.drift is None else torch.from_numpy(objective.drift)
+        size = sum(p.numel() for p in params)
+        for name, flat in (("anchor", anchor), ("drift", drift)):
+            if flat is not None and flat.numel() != size:
+                raise ObjectiveError(f"the objective's {name} has {flat.numel()} values, the model {size}")
+        terms, at = [], 0
+        for p in params:
+            n = p.numel()
+            terms.append((
+                p,
+                None if anchor is None else anchor[at : at + n].view_as(p),
+                None if drift is None else drift[at : at + n].view_as(p),
+            ))  # fmt: skip
+            at += n
+        return terms
+
+    @staticmethod
+    @torch.no_grad()
+    def _add_terms(mu: float, terms: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]) -> None:
+        for p, anchor, drift in terms:
+            if p.grad is None:
+                continue
+            if anchor is not None:
+                p.grad.add_(p - anchor, alpha=mu)
+            if drift is not None:
+                p.grad.add_(drift)
 
 
 @torch.no_grad()

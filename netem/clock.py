@@ -11,7 +11,7 @@ A message cycle (the server pushes a message, the client trains the rounds it br
 - F_d = ``DEVICE_FIXED_S`` and H = ``DEVICE_S_PER_MB``: what the device itself spends on a message cycle, in
   seconds of one core of this host, besides and per MB of its bytes (Flower's object (de)serialization and
   hashing, its SuperNode's requests, the hand-over between SuperNode and agent), taking 1/c as long on a device
-  whose cores are a share c of this host's (``edge.devices``): measured on the testbed by
+  whose cores are a share c of this host's (``contract.devices``): measured on the testbed by
   ``bench/calibration.py``, from FedAvg's message path with two model sizes on emulated Raspberry Pi 4s;
 - R = ``MESSAGE_RTTS`` (5): the link round trips a cycle costs, the sequential requests of Flower's protocol
   counted in the same bench (PullMessages, the message's objects, ConfirmMessageReceived, PushMessages, the
@@ -20,7 +20,7 @@ A message cycle (the server pushes a message, the client trains the rounds it br
 - r: a direction's rate, capped where loss binds by TCP's steady-state throughput (Mathis et al. 1997):
   r ≤ (MSS / rtt)·√(3/2) / √p for loss p, with MSS = 1448 B;
 - s local steps, σ = the host's measured seconds per step on one core divided by the device's share of a core
-  (``edge.devices``: the same shares the testbed's CPU caps use);
+  (``contract.devices``: the same shares the testbed's CPU caps use);
 - S(b) = slow start: what a transfer of b bytes costs over a warm one when it starts from TCP's initial window
   (IW = 10 segments, RFC 6928), which doubles every round trip until it holds the path's bandwidth-delay product
   (:func:`slow_start_s`). Flower's SuperNode moves a message's objects (Message, RecordDict, ConfigRecord:
@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from edge.devices import DeviceProfile
+from contract.devices import DeviceProfile
 from netem.profiles import Link, LinkProfile
 
 MESSAGE_FIXED_S = 0.48
@@ -90,7 +90,7 @@ def slow_start_s(size_bytes: int, rate: float, rtt_s: float) -> float:
 @dataclass(frozen=True)
 class ClientModel:
     """One simulated client: its link, its device's seconds per local step, and its share of one core of this host
-    (``edge.devices``), at which it handles messages: ``DEVICE_FIXED_S`` per cycle and ``DEVICE_S_PER_MB`` (Flower's
+    (``contract.devices``), at which it handles messages: ``DEVICE_FIXED_S`` per cycle and ``DEVICE_S_PER_MB`` (Flower's
     object (de)serialization and hashing, its SuperNode's requests, the hand-over between SuperNode and agent) take
     1/share as long on the device."""
 

@@ -6,8 +6,8 @@ The testbed applies them (``edgefl.launcher``); a simulation's clock models them
 
 from __future__ import annotations
 
+from contract.devices import DeviceProfile, device_profile
 from contract.settings import ConfigError, RunConfig
-from edge.devices import DeviceProfile, device_profile
 from netem.profiles import Link, load_links, resolve_links
 
 

@@ -26,6 +26,7 @@ from pyroute2 import IPRoute, NetlinkError, netns
 from pyroute2.netlink.rtnl.tcmsg.common import tick_in_usec
 from pyroute2.protocols import ETH_P_ALL, ETH_P_IP
 
+from netem import contain_pyroute2_children
 from netem.profiles import Link, LinkError, LinkProfile
 
 Request = tuple[str, str, dict]
@@ -158,6 +159,7 @@ def client_shaping_requests(clients: dict[str, Link]) -> tuple[list[Request], li
 
 @contextmanager
 def _iproute(namespace: str | None) -> Iterator[IPRoute]:
+    contain_pyroute2_children()
     if namespace is not None and namespace not in netns.listnetns():
         raise LinkError(f"no network namespace {namespace!r}")
     with IPRoute(netns=namespace) as ip:
@@ -324,6 +326,7 @@ def show(dev: str | None = None, namespace: str | None = None) -> str:
 def kernel_has_netem() -> bool:
     """Try a netem qdisc on a veth inside a throwaway namespace (removed afterwards)."""
     probe = f"efl-probe{os.getpid()}"
+    contain_pyroute2_children()
     try:
         netns.create(probe)
     except OSError as error:

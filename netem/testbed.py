@@ -38,7 +38,7 @@ from types import TracebackType
 
 from pyroute2 import IPRoute, netns
 
-from netem import tc
+from netem import contain_pyroute2_children, tc
 from netem.profiles import Link, LinkError, LinkProfile
 
 CLIENT_DEVICE = "efl-srv"
@@ -93,6 +93,7 @@ def cleanup_stale(prefix: str = "efl-") -> list[str]:
     For what a crashed run left behind (its link forwarders live in its server namespace); do not call it
     while a testbed with that prefix is in use. Returns the removed namespaces.
     """
+    contain_pyroute2_children()
     stale = sorted(name for name in netns.listnetns() if name.startswith(prefix))
     pids = netns.ns_pids()
     _kill_and_wait([pid for name in stale for pid in pids.get(name, [])])
@@ -119,6 +120,7 @@ class Testbed:
             raise LinkError(f"testbed tag {tag!r} must be 1-24 letters or digits")
         if os.geteuid() != 0:
             raise LinkError("the namespaced testbed needs root (network namespaces); run it with sudo")
+        contain_pyroute2_children()
         self.links = list(links)
         self.server_ns = f"efl-{tag}-srv"
         self.client_ns = [f"efl-{tag}-c{i}" for i in range(len(links))]

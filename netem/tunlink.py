@@ -40,6 +40,7 @@ from collections import deque
 
 from pyroute2 import netns
 
+from contract.errors import PeerError
 from netem.profiles import LinkProfile
 
 TUNSETIFF = 0x400454CA
@@ -123,8 +124,14 @@ class WakeLatency:
         self.estimate_s += self.weight * (overshoot_s - self.estimate_s)
 
 
+class FaultCommandError(PeerError, ValueError):
+    """A fault command on stdin (from the testbed) that is not one of this module's; ``str()`` is the reason
+    acknowledged with ``error:``."""
+
+
 def inject(command: str, lines: list[DelayLine], now: float) -> None:
-    """Apply one fault command (see the module docstring) to both directions; raises ValueError if malformed."""
+    """Apply one fault command (see the module docstring) to both directions; raises ValueError (FaultCommandError
+    for an unknown command) if malformed."""
     name, *args = command.split()
     values = [float(a) for a in args]
     if name == "loss" and len(values) == 2 and 0 <= values[0] <= 100 and values[1] >= 0:
@@ -134,7 +141,7 @@ def inject(command: str, lines: list[DelayLine], now: float) -> None:
         for line in lines:
             line.held_until = now + values[0]
     else:
-        raise ValueError(f"unknown command {command!r}; expected 'loss PCT SECONDS' or 'stall SECONDS'")
+        raise FaultCommandError(f"unknown command {command!r}; expected 'loss PCT SECONDS' or 'stall SECONDS'")
 
 
 def _read_commands(stdin: int, pending: bytearray, lines: list[DelayLine]) -> bool:

@@ -18,26 +18,51 @@ With D = 0 this is FedAvg: every round starts from the newest global model.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
+from strategies.fedavg import FedAvgClient, FedAvgServer
+from strategies.spec import Parameter, Spec, SpecError, label
+from strategies.strategy import Strategy
 
-class DelayedAveragingClient:
+MAX_DELAY = 64
+
+
+@dataclass(frozen=True)
+class DGASettings:
+    """``dga:D`` (``dga:D:nocorrection``: the paper's ablation, stale averages applied uncorrected)."""
+
+    delay: int
+    correction: bool = True
+    name: str = "dga"
+    buffer: int = 0
+
+    @property
+    def label(self) -> str:
+        return label("dga", self.delay, *([] if self.correction else ["nocorrection"]))
+
+
+def parse(spec: Spec, text: str) -> DGASettings:
+    if spec.options not in ((), ("nocorrection",)):
+        raise SpecError(f"malformed strategy {text!r}; expected dga:D or dga:D:nocorrection")
+    return DGASettings(int(spec.value or 0), not spec.options)
+
+
+class DelayedAveragingClient(FedAvgClient):
     """What one client knows: the newest global model it has received and its own updates since."""
 
     def __init__(self, delay: int, correction: bool = True) -> None:
+        super().__init__()
         self.delay = delay
         self.correction = correction
-        self.global_round = -1
-        self._global: np.ndarray | None = None
         self._pending: dict[int, np.ndarray] = {}
 
-    def receive_global(self, round_: int, params: np.ndarray) -> None:
+    def receive_global(self, round_: int, params: np.ndarray, state: np.ndarray | None = None) -> None:
         """The global model after round ``round_``: it already contains every average up to that round."""
         if round_ < self.global_round:
             return
-        self.global_round = round_
-        self._global = params.astype(np.float32, copy=True)
+        super().receive_global(round_, params)
         self._pending = {t: d for t, d in self._pending.items() if t > round_}
 
     def record_sent(self, round_: int, update: np.ndarray) -> None:
@@ -45,15 +70,9 @@ class DelayedAveragingClient:
         if round_ > self.global_round:
             self._pending[round_] = update.astype(np.float32, copy=True)
 
-    def can_start(self, round_: int) -> bool:
-        """Staleness bound: round t needs the global model of round t − D − 1."""
-        return self._global is not None and self.global_round >= round_ - self.delay - 1
-
     def start_params(self) -> np.ndarray:
         """The model a new local round starts from (see the module docstring)."""
-        if self._global is None:
-            raise RuntimeError("no global model received yet")
-        params = self._global.copy()
+        params = super().start_params()
         if self.correction:
             for t in sorted(self._pending):
                 params += self._pending[t]
@@ -62,6 +81,25 @@ class DelayedAveragingClient:
     @property
     def pending_rounds(self) -> list[int]:
         return sorted(self._pending)
+
+
+class DGAServer(FedAvgServer):
+    """DGA's server is FedAvg's mean; only the schedule differs: round t's updates may come from clients that
+    started it from the global model of round t − D − 1."""
+
+    def __init__(self, delay: int) -> None:
+        self.delay = delay
+
+
+DGA = Strategy(
+    "dga",
+    Parameter(f"a whole number of rounds D in 0..{MAX_DELAY}", lambda d: 0 <= d <= MAX_DELAY, integer=True),
+    parse,
+    lambda s: DelayedAveragingClient(s.delay, s.correction),
+    lambda s, setup: DGAServer(s.delay),
+    options=True,
+    summary="Delayed Gradient Averaging (Zhu et al. 2021): round t from the global model of t − D − 1, corrected",
+)
 
 
 def dga_sgd_step(

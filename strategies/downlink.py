@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from contract.errors import PeerError
 from strategies.codecs import CodecError, CodecSpec, Layout, make_client_codec, server_compressor
 from strategies.codecs.base import dense_payload_size, layout_info
 from strategies.codecs.dense import NoCompression, dense_payload
@@ -39,7 +40,7 @@ DENSE_STYPE = NoCompression.stype
 NO_BASE = -1
 
 
-class DownlinkError(ValueError):
+class DownlinkError(PeerError, ValueError):
     """A broadcast that cannot be applied; str() is one human-readable line."""
 
 
@@ -111,9 +112,10 @@ class Broadcast:
 
 
 def _integer(value: Any) -> int:
-    """A JSON integer of a broadcast's metadata; raises ValueError for anything else (a float, ±Infinity, a bool)."""
+    """A JSON integer of a broadcast's metadata; raises DownlinkError for anything else (a float, ±Infinity, a
+    bool)."""
     if type(value) is not int:
-        raise ValueError(f"{str(value)[:24]!r} is not an integer")
+        raise DownlinkError(f"{str(value)[:24]!r} is not an integer")
     return value
 
 
@@ -152,8 +154,8 @@ class BroadcastEncoder:
     def broadcast(self, round_: int, global_params: np.ndarray, held_round: int = NO_BASE) -> Broadcast:
         """What to send a client that holds x̂ of `held_round` (NO_BASE: nothing) of the global model
         `global_params` after round `round_` (the newest round; it advances x̂ the first time it is seen)."""
-        if round_ < self.round:
-            raise ValueError(f"round {round_} is older than the broadcast reference's round {self.round}")
+        # the server broadcasts its newest round, which only grows
+        assert round_ >= self.round, f"round {round_} is older than the broadcast reference's round {self.round}"
         if round_ > self.round:
             self._advance(round_, global_params)
         if held_round == self.round:

@@ -1,8 +1,10 @@
-"""The server's round engine as a state machine, shared by FedAvg (D = 0) and DGA (D ≥ 1).
+"""The server's round engine as a state machine: the scheduling every strategy shares (rounds, quorum, deadline,
+rejoin, sampling, what is accepted once).
 
-It decides what each client is sent and when, collects encoded updates into per-round weighted means, and
-closes rounds in order. It knows nothing of Flower: the glue in ``fl_server`` turns each ``Request`` into a
-message and each reply into ``Update``s.
+It decides what each client is sent and when, hands each accepted update to the strategy's server half
+(``strategies.strategy.ServerHalf``: its sum, its step, its D and FedBuff's K, the vector a client is sent with a
+global model), and closes rounds in order. It knows nothing of Flower: the glue in ``fl_server`` turns each
+``Request`` into a message and each reply into ``Update``s.
 
 Every message to a client carries the newest global model (when the client does not have it yet) and asks
 for the updates it has ready; the client holds it until it has one (``edge.agent``). A client may train round t
@@ -44,8 +46,8 @@ a new node is a fresh client, sent the newest global model first (as deltas from
 accepted at most once per (partition, round), so a device that comes back under a new node id cannot
 contribute a round twice, and a reply is whole or refused, so no aggregate holds part of an update.
 
-Aggregation is the streaming example-weighted mean unless an ``Aggregator`` (a robust rule, see
-``fl_server.robust``) is given; then the round's decoded updates are kept until it closes. With a
+Aggregation is the strategy's streaming sum (FedAvg's example-weighted mean) unless an ``Aggregator`` (a robust
+rule, see ``fl_server.robust``) is given; then the round's decoded updates are kept until it closes. With a
 ``ServerMomentum`` (the codecs' ``gm=BETA``) a closed round moves the global model by the momentum mᵗ, not Δ̄ᵗ."""
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strategies.codecs import Layout, MalformedUpdate, server_compressor
-from strategies.fedavg import ServerMomentum, WeightedMean, apply_update
-from strategies.fedbuff import StalenessBuffer
+from strategies.fedavg import FedAvgServer, ServerMomentum, apply_update
 from strategies.sampling import Sampler
+from strategies.strategy import Contribution, RoundSum, ServerHalf
 from strategies.validation import NormOutlierFilter
 
 MAX_FAILED_REPLIES = 5
@@ -91,6 +93,7 @@ class Request:
     global_params: np.ndarray | None
     held_round: int = -1
     resend: bool = False  # a reply of the client's was lost: it sends again every update it kept (edge.agent)
+    state: np.ndarray | None = None  # with a global model: the strategy's vector for this client (message_state)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class ClosedRound:
     losses: list[float]
     closed_by: str  # "all", "deadline" or (FedBuff) "buffer"
     momentum: np.ndarray  # the server's momentum mᵗ after this round (empty without global momentum)
+    strategy_state: dict[str, np.ndarray] = field(default_factory=dict)  # the server half's state() after it
 
 
 @dataclass
@@ -129,7 +133,7 @@ class _Client:
 
 @dataclass
 class _OpenRound:
-    mean: WeightedMean | StalenessBuffer
+    mean: RoundSum  # the strategy's sum (strategies.strategy.ServerHalf.open)
     updates: list[tuple[np.ndarray, int]] = field(default_factory=list)  # kept only for an Aggregator
     clients: list[int] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
@@ -155,7 +159,6 @@ class RoundEngine:
         layout: Layout,
         rounds: int,
         num_clients: int,
-        delay: int = 0,
         quorum: float = 1.0,
         deadline_s: float | None = None,
         start_round: int = 0,
@@ -164,28 +167,28 @@ class RoundEngine:
         clients_build_start: bool = False,
         momentum: ServerMomentum | None = None,
         sampler: Sampler | None = None,
-        buffer: int = 0,
-        server_lr: float = 1.0,
+        strategy: ServerHalf | None = None,
         window: int = 1,
         partition_sizes: Mapping[int, int] | None = None,
     ) -> None:
-        """``window``: messages kept in flight per client (``pipeline_window`` for the strategy).
+        """``strategy``: its server half (FedAvg's when None), which sets D and FedBuff's K and sums the updates.
+        ``window``: messages kept in flight per client (``pipeline_window`` for the strategy).
         ``partition_sizes``: partition → its training examples, the most an update of it may claim, read as updates
         come (``fl_server.membership`` fills it in as nodes join); None: unchecked."""
         if not 0 < quorum <= 1:
-            raise ValueError(f"quorum must be in (0, 1], got {quorum}")
-        if buffer and (delay or aggregator):
-            raise ValueError("FedBuff's buffer takes D = 0 and the plain mean")
+            raise AssertionError(f"quorum must be in (0, 1], got {quorum}")  # RunConfig checks it (ConfigError)
+        self.strategy = strategy or FedAvgServer()
+        if self.strategy.buffer and (self.strategy.delay or aggregator):
+            raise AssertionError("FedBuff's buffer takes D = 0 and the plain mean")  # the strategy's parse checks it
         self.global_params = initial_params.astype(np.float32, copy=True)
         self.layout = layout
         self.rounds = rounds
         self.num_clients = num_clients
         self.sampler = sampler or Sampler(0, num_clients, num_clients)
         self.per_round = self.sampler.per_round
-        self.delay = delay
-        self.min_clients = buffer or max(1, math.ceil(quorum * self.per_round))
-        self.buffer = buffer
-        self.server_lr = server_lr
+        self.delay = self.strategy.delay
+        self.buffer = self.strategy.buffer
+        self.min_clients = self.buffer or max(1, math.ceil(quorum * self.per_round))
         self.window = window
         self.deadline_s = deadline_s
         self.aggregated = start_round
@@ -255,7 +258,8 @@ class RoundEngine:
         held_round = -1 if c.resend_global else max(c.delivered, self._start_held)
         c.delivered = self.aggregated
         c.resend_global = False
-        return Request(next_round, frontier, self.aggregated, self.global_params, held_round, resend)
+        state = self.strategy.message_state(source)
+        return Request(next_round, frontier, self.aggregated, self.global_params, held_round, resend, state)
 
     def assign(self, client: int, round_: int, global_round: int | None, global_params: np.ndarray | None) -> Request:
         """A message that asks ``client`` for exactly ``round_``, bringing the global model of ``global_round`` when
@@ -267,7 +271,8 @@ class RoundEngine:
             return Request(round_, round_, None, None)
         held_round = -1 if c.resend_global else max(c.delivered, self._start_held)
         c.delivered, c.resend_global = max(c.delivered, global_round), False
-        return Request(round_, round_, global_round, global_params, held_round)
+        state = self.strategy.message_state(client if c.source is None else c.source)
+        return Request(round_, round_, global_round, global_params, held_round, state=state)
 
     def receive(self, client: int, updates: list[Update], partition: int | None = None) -> list[Rejection]:
         """Take one reply's updates; returns what was refused and why. ``partition`` (the reply's partition id;
@@ -340,17 +345,16 @@ class RoundEngine:
             return Rejection(source, item.round, update)
         if self.aggregator:
             open_round.updates.append((update, item.num_examples))
-        else:  # FedBuff: weighted by staleness τ = how many steps its model is behind, else by examples
-            open_round.mean.add(update, target - item.round if self.buffer else item.num_examples)
+        else:
+            self.strategy.add(open_round.mean, update, Contribution(source, item.round, target, item.num_examples))
         open_round.clients.append(source)
         open_round.train_s.append(item.train_s)
         open_round.losses.append(item.loss)
         c.behind = False
         return None
 
-    def _accumulator(self) -> WeightedMean | StalenessBuffer:
-        size = self.global_params.size
-        return StalenessBuffer(size, self.server_lr) if self.buffer else WeightedMean(size)
+    def _accumulator(self) -> RoundSum:
+        return self.strategy.open(self.global_params.size)
 
     def _decode(self, source: int, item: Update) -> np.ndarray | str:
         """The dense update, decoded once for validation and aggregation alike; or why it cannot be aggregated."""
@@ -391,6 +395,7 @@ class RoundEngine:
             del self._open[round_]
             if count:
                 mean = self.aggregator(open_round.updates) if self.aggregator else open_round.mean.mean()
+                mean = self.strategy.close(open_round.mean, mean)
                 step = self.momentum.step(mean) if self.momentum else mean
                 self.global_params = apply_update(self.global_params, step)
             self.aggregated = round_
@@ -404,6 +409,7 @@ class RoundEngine:
                     open_round.losses,
                     how,
                     self.momentum.buffer.copy() if self.momentum else np.zeros(0, np.float32),
+                    self.strategy.state(),
                 )
             )
         return closed

@@ -62,7 +62,7 @@ class Sampler:
 
     def __init__(self, seed: int, population: int, per_round: int) -> None:
         if not 1 <= per_round <= population:
-            raise ValueError(f"per_round must be in 1..{population}, got {per_round}")
+            raise SpecError(f"per_round must be in 1..{population}, got {per_round}")
         self.seed = seed
         self.population = population
         self.per_round = per_round

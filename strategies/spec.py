@@ -42,7 +42,7 @@ def parse_spec(text: str, setting: str, table: Mapping[str, Parameter | None], o
         if args and not options:
             raise SpecError(f"{setting} {name!r} takes no parameter, got {text!r}")
         return Spec(name, None, tuple(args))
-    value = _number(args[0]) if args else None
+    value = parse_number(args[0]) if args else None
     if value is None or not parameter.valid(value) or (parameter.integer and not value.is_integer()):
         raise SpecError(f"{setting} {name!r} needs {parameter.what} as in '{name}:VALUE', got {text!r}")
     if len(args) > 1 and not options:
@@ -54,7 +54,7 @@ def _forms(table: Mapping[str, Parameter | None]) -> list[str]:
     return [name if parameter is None else f"{name}:VALUE" for name, parameter in table.items()]
 
 
-def _number(text: str) -> float | None:
+def parse_number(text: str) -> float | None:
     try:
         value = float(text)
     except ValueError:
@@ -64,66 +64,8 @@ def _number(text: str) -> float | None:
 
 def label(name: str, value: float | None, *options: str) -> str:
     """The canonical text of a spec: ``dga:2``, ``topk:0.01``, ``dgc:0.999:momentum``."""
-    parts = [name] if value is None else [name, f"{int(value)}" if float(value).is_integer() else f"{value:g}"]
+    parts = [name] if value is None else [name, f"{int(value)}" if float(value).is_integer() else repr(float(value))]
     return ":".join([*parts, *options])
-
-
-# ----- the strategy ---------------------------------------------------------------------------------------------
-MAX_DELAY = 64
-STRATEGIES: dict[str, Parameter | None] = {
-    "fedavg": None,
-    "dga": Parameter(f"a whole number of rounds D in 0..{MAX_DELAY}", lambda d: 0 <= d <= MAX_DELAY, integer=True),
-    "flower-fedavg": None,
-    "fedbuff": Parameter("a buffer of K ≥ 1 updates per server step", lambda k: k >= 1, integer=True),
-}
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    """``delay`` is DGA's D (0 for FedAvg); ``correction`` is off only in the DGA ablation; ``buffer`` is FedBuff's
-    K (0: synchronous rounds) and ``server_lr`` its η_g (``strategies.fedbuff``)."""
-
-    name: str
-    delay: int = 0
-    correction: bool = True
-    buffer: int = 0
-    server_lr: float = 1.0
-
-    @property
-    def label(self) -> str:
-        if self.name == "dga":
-            return label("dga", self.delay, *([] if self.correction else ["nocorrection"]))
-        if self.name == "fedbuff":
-            return label("fedbuff", self.buffer, *([] if self.server_lr == 1.0 else [f"slr={self.server_lr:g}"]))
-        return self.name
-
-
-def parse_strategy(text: str, delay: int | None = None, correction: bool = True) -> StrategySpec:
-    """``fedavg``, ``dga:D``, ``dga:D:nocorrection``, ``fedbuff:K``, ``fedbuff:K:slr=η`` or ``flower-fedavg``;
-    ``delay``/``correction`` are the separate ``--delay``/``--no-correction`` flags for ``dga`` without a D."""
-    if text.strip().lower() == "dga" and delay is not None:
-        text = f"dga:{delay}"
-    spec = parse_spec(text, "strategy", STRATEGIES, options=True)
-    if spec.name != "dga" and (delay or not correction):
-        raise SpecError(f"strategy {spec.name!r} takes no delay and no correction switch (only dga:D does)")
-    if spec.name == "fedbuff":
-        return StrategySpec("fedbuff", buffer=int(spec.value or 0), server_lr=_server_lr(text, spec.options))
-    if spec.name != "dga":
-        if spec.options:
-            raise SpecError(f"strategy {spec.name!r} takes no parameter, got {text!r}")
-        return StrategySpec(spec.name)
-    if spec.options not in ((), ("nocorrection",)):
-        raise SpecError(f"malformed strategy {text!r}; expected dga:D or dga:D:nocorrection")
-    return StrategySpec("dga", int(spec.value or 0), correction and not spec.options)
-
-
-def _server_lr(text: str, options: tuple[str, ...]) -> float:
-    if not options:
-        return 1.0
-    value = _number(options[0].removeprefix("slr=")) if options[0].startswith("slr=") else None
-    if len(options) > 1 or value is None or not value > 0:
-        raise SpecError(f"malformed strategy {text!r}; expected fedbuff:K or fedbuff:K:slr=η with η > 0")
-    return value
 
 
 # ----- the aggregation rule --------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_a_session_at_the_staleness_bound_holds_its_message() -> None:
     nothing); a ready round is due at once, and so is an empty answer once the run will train nothing more."""
     job = RunConfig(strategy="dga:1", dataset="digits", partition="iid", clients=2, rounds=3).client_job()
     session = Session(job, 0, 2)
-    session.dga.receive_global(0, get_flat_params(session.model))
+    session.strategy.receive_global(0, get_flat_params(session.model))
 
     def finish(round_: int) -> None:
         session.training = True
@@ -95,7 +95,7 @@ def test_a_session_at_the_staleness_bound_holds_its_message() -> None:
     finish(2)
     session.take_outbox()
     assert not session.can_train() and not session.reply_due()  # at the bound: held
-    session.dga.receive_global(1, get_flat_params(session.model))
+    session.strategy.receive_global(1, get_flat_params(session.model))
     assert session.can_train()
     finish(3)
     session.take_outbox()

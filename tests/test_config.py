@@ -29,7 +29,7 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("clients = 0\n", "clients must be at least 1"),
-        ('strategy = "fedprox"\n', "unknown strategy 'fedprox'"),
+        ('strategy = "no-such-strategy"\n', "unknown strategy 'no-such-strategy'"),
         ('strategy = "dga"\n', "strategy 'dga' needs a whole number of rounds D"),
         ('strategy = "dga:x"\n', "needs a whole number of rounds D in 0..64"),
         ("lr = -1\n", "lr must be positive"),

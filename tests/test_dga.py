@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from strategies.codecs import make_client_codec, parse_codec
-from strategies.dga import DelayedAveragingClient, dga_sgd_step, regime_bounds
+from strategies.dga import DelayedAveragingClient, DGAServer, dga_sgd_step, regime_bounds
 from strategies.rounds import RoundEngine, Update
 
 LAYOUT = (("w", (3,)),)
@@ -51,7 +51,7 @@ def _run_engine(delay: int, correction: bool, rounds: int, targets: list[np.ndar
     """Drive RoundEngine with in-process DGA clients doing K = 1 plain SGD steps on f_j = ½‖w − t_j‖²,
     clients running ahead as far as the staleness bound allows."""
     w0 = np.zeros(3, dtype=np.float32)
-    engine = RoundEngine(w0, LAYOUT, rounds=rounds, num_clients=len(targets), delay=delay)
+    engine = RoundEngine(w0, LAYOUT, rounds=rounds, num_clients=len(targets), strategy=DGAServer(delay))
     clients = [DelayedAveragingClient(delay, correction) for _ in targets]
     codecs = [make_client_codec(parse_codec("none"), LAYOUT, seed=0) for _ in targets]
     next_round = [1] * len(targets)

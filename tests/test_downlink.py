@@ -12,7 +12,7 @@ from ml.partition import partition_indices
 from ml.trainer import LocalTrainer
 from strategies.codecs import make_client_codec, parse_codec, server_compressor
 from strategies.codecs.base import dense_payload_size, layout_info
-from strategies.dga import DelayedAveragingClient
+from strategies.dga import DelayedAveragingClient, DGAServer
 from strategies.downlink import (
     DENSE_STYPE,
     NO_BASE,
@@ -224,7 +224,7 @@ def test_dga_sums_check_out_with_both_directions_compressed() -> None:
     delay, rounds, weights = 2, 8, [3, 1]
     rng = np.random.default_rng(0)
     w0 = rng.standard_normal(SIZE).astype(np.float32)
-    engine = RoundEngine(w0, LAYOUT, rounds=rounds, num_clients=2, delay=delay)
+    engine = RoundEngine(w0, LAYOUT, rounds=rounds, num_clients=2, strategy=DGAServer(delay))
     encoder = BroadcastEncoder(parse_codec("int8"), w0, LAYOUT, seed=7)
     decoders = [BroadcastDecoder(LAYOUT) for _ in weights]
     dga = [DelayedAveragingClient(delay) for _ in weights]

@@ -24,11 +24,11 @@ import pytest
 from pyroute2 import IPRoute, netns
 
 from contract.run_folder import (
+    CHECKPOINT,
     ROUNDS,
-    load_checkpoint,
-    read_checkpoint,
+    Checkpoint,
+    RunFolder,
     read_rounds,
-    save_checkpoint,
     truncate_rounds,
 )
 from contract.settings import RunConfig, build_config, save_config
@@ -45,6 +45,7 @@ from netem.profiles import LinkProfile
 from netem.testbed import Testbed
 from netem.tunlink import DelayLine, inject
 from strategies.codecs import make_client_codec, parse_codec
+from strategies.dga import DGAServer
 from strategies.downlink import model_digest
 from strategies.rounds import MAX_FAILED_REPLIES, RoundEngine, Update
 from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_first_round
@@ -61,7 +62,7 @@ def _update(values: list[float], round_: int) -> Update:
 
 
 def test_a_partition_back_under_a_new_node_id_cannot_contribute_a_round_twice() -> None:
-    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=3, num_clients=2, delay=1)
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=3, num_clients=2, strategy=DGAServer(1))
     engine.next_request(10)
     assert engine.receive(10, [_update([1, 1], 1)], partition=0) == []
     engine.retire(10)  # its SuperNode died; it comes back as node 11, same partition
@@ -77,7 +78,7 @@ def test_a_partition_back_under_a_new_node_id_cannot_contribute_a_round_twice() 
 
 
 def test_a_retired_nodes_messages_in_flight_are_forgotten() -> None:
-    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=4, num_clients=2, delay=1)
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=4, num_clients=2, strategy=DGAServer(1))
     assert engine.next_request(1) is not None
     assert engine.next_request(1) is None  # one message in flight: the limit
     engine.retire(1)
@@ -86,7 +87,9 @@ def test_a_retired_nodes_messages_in_flight_are_forgotten() -> None:
 
 
 def test_a_client_whose_update_came_late_is_asked_for_the_newest_round() -> None:
-    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=6, num_clients=2, delay=1, quorum=0.5, deadline_s=1)
+    engine = RoundEngine(
+        np.zeros(2, np.float32), LAYOUT, rounds=6, num_clients=2, strategy=DGAServer(1), quorum=0.5, deadline_s=1
+    )
     engine.start_clock(0.0)
     engine.next_request(1)
     engine.next_request(2)
@@ -149,17 +152,16 @@ def test_the_engine_is_stuck_when_failing_clients_leave_a_round_short_of_its_quo
 
 # ----- checkpoints and rounds.jsonl ------------------------------------------------------------------------
 def test_checkpoint_holds_what_resume_needs(tmp_path: Path) -> None:
-    assert read_checkpoint(tmp_path) is None
+    folder = RunFolder(tmp_path)
+    assert folder.read_checkpoint() is None
     params = np.arange(6, dtype=np.float32)
-    save_checkpoint(tmp_path, 4, params, wall_s=12.5, recent_norms=[0.5, 0.25], momentum=params / 2)
-    checkpoint = read_checkpoint(tmp_path)
+    folder.save_checkpoint(Checkpoint(4, params, 12.5, np.array([0.5, 0.25]), params / 2))
+    checkpoint = folder.read_checkpoint()
     assert checkpoint.round == 4 and checkpoint.wall_s == 12.5
     np.testing.assert_array_equal(checkpoint.params, params)
     np.testing.assert_array_equal(checkpoint.recent_norms, [0.5, 0.25])
     np.testing.assert_array_equal(checkpoint.momentum, params / 2)
-    round_, model = load_checkpoint(tmp_path)
-    assert round_ == 4 and np.array_equal(model, params)
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.npz"]  # no temporary file left
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]  # no temporary file left
 
 
 def test_rows_after_the_checkpoint_and_a_torn_line_are_cut(tmp_path: Path) -> None:
@@ -476,7 +478,7 @@ def test_a_server_killed_mid_run_resumes_from_its_checkpoint(run_dir: Path) -> N
         wait_for_rows(run_dir, lambda rows: len(rows) >= 3, "round 3")
     finally:
         _kill_everything(launcher, run_dir)
-    checkpoint = read_checkpoint(run_dir)
+    checkpoint = RunFolder(run_dir).read_checkpoint()
     assert 3 <= checkpoint.round < rounds
     done = edgefl("run", "--resume", str(run_dir))
     assert done.returncode == 0, done.stderr

@@ -17,7 +17,7 @@ import pytest
 import torch
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
-from contract.run_folder import load_checkpoint, read_rounds
+from contract.run_folder import RunFolder, read_rounds
 from edgefl.launcher import flower_env
 from fl_client.tasks import TaskTiming
 from ml.data import load_dataset
@@ -58,7 +58,7 @@ def test_two_supernodes_three_rounds_on_digits(run_dir: Path) -> None:
     assert (run_dir / "config.toml").read_text().count("digits") == 1
     assert (run_dir / "accuracy_vs_time.png").stat().st_size > 1000
     assert (run_dir / "accuracy_vs_rounds.png").stat().st_size > 1000
-    assert load_checkpoint(run_dir)[0] == 3
+    assert RunFolder(run_dir).read_checkpoint().round == 3
     assert (run_dir / "global.onnx").stat().st_size > 10_000
     assert "results:" in done.stdout
     # Every message was answered by the one agent process of its client, none by a process of its own.
@@ -70,7 +70,7 @@ def test_two_supernodes_three_rounds_on_digits(run_dir: Path) -> None:
         assert served == {m["message_id"] for m in messages if m["partition"] == client}
         assert (run_dir / "logs" / f"agent-{client}.log").read_text().count("new session") == 1
     # And the global model is FedAvg's, as written independently below.
-    np.testing.assert_allclose(load_checkpoint(run_dir)[1], fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(RunFolder(run_dir).read_checkpoint().params, fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
 
 
 def _fedavg_written_here(rounds: int, steps: int, lr: float, momentum: float, seed: int) -> np.ndarray:
@@ -112,7 +112,7 @@ def test_dga_with_zero_delay_is_fedavg_in_the_deployment(run_dir: Path) -> None:
     args = [*FAST, "--rounds", "3", "--strategy", "dga:0", "--eval-examples", "100"]
     done = edgefl("run", *args, "--out", str(run_dir))
     assert done.returncode == 0, done.stderr
-    np.testing.assert_allclose(load_checkpoint(run_dir)[1], fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(RunFolder(run_dir).read_checkpoint().params, fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
 
 
 def _steps_lasting(seconds: float) -> int:
@@ -156,7 +156,7 @@ def test_a_failed_evaluation_stops_the_run_in_one_line_and_keeps_the_checkpoint(
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert len(err.strip().splitlines()) == 1 and "the server failed" in err and "IsADirectoryError" in err, err
-    checkpoint_round, _ = load_checkpoint(run_dir)
+    checkpoint_round = RunFolder(run_dir).read_checkpoint().round
     assert 1 <= checkpoint_round < 200
     assert not (run_dir / "summary.json").exists()
     assert not processes_of(run_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contract.run_folder import read_checkpoint, save_checkpoint
+from contract.run_folder import Checkpoint, RunFolder
 from strategies.codecs import make_client_codec, parse_codec
 from strategies.fedavg import ServerMomentum, global_momentum
 from strategies.rounds import RoundEngine, Update
@@ -62,10 +62,11 @@ def test_the_round_engine_moves_the_global_model_by_the_momentum() -> None:
 
 
 def test_a_checkpoint_keeps_the_momentum_and_an_older_one_reads_as_none(tmp_path: Path) -> None:
-    save_checkpoint(tmp_path, 2, np.zeros(4, np.float32), momentum=np.full(4, 1.5, np.float32))
-    checkpoint = read_checkpoint(tmp_path)
+    folder = RunFolder(tmp_path)
+    folder.save_checkpoint(Checkpoint(2, np.zeros(4, np.float32), momentum=np.full(4, 1.5, np.float32)))
+    checkpoint = folder.read_checkpoint()
     resumed = global_momentum(parse_codec("topk:0.5:gm=0.5"), 4, checkpoint.momentum)
     np.testing.assert_allclose(resumed.step(np.ones(4, np.float32)), 1.75)
-    np.savez(tmp_path / "checkpoint.npz", round=2, params=np.zeros(4), wall_s=0.0, recent_norms=np.zeros(0))
-    old = read_checkpoint(tmp_path)
+    np.savez(folder.checkpoint_path, round=2, params=np.zeros(4), wall_s=0.0, recent_norms=np.zeros(0))
+    old = folder.read_checkpoint()
     assert old.momentum.size == 0 and not global_momentum(parse_codec("topk:0.5:gm=0.5"), 4, old.momentum).buffer.any()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from contract.run_folder import save_checkpoint
+from contract.run_folder import Checkpoint, RunFolder
 from contract.settings import RunConfig, save_config
 from edge.bench import (
     FP32_MAX_LOGIT_DIFF,
@@ -117,8 +117,9 @@ def test_int8_agrees_with_fp32(target: BenchTarget, tmp_path: Path) -> None:
 def test_bench_loads_a_run_folder(digits_cnn: BenchTarget, tmp_path: Path) -> None:
     """A run folder as ``edgefl run`` leaves it: the bench rebuilds the model from config.toml and loads the
     checkpoint, so its accuracies are the trained model's."""
-    save_config(RunConfig(dataset="digits", seed=3, out=str(tmp_path)), tmp_path / "config.toml")
-    save_checkpoint(tmp_path, 7, get_flat_params(digits_cnn.model))
+    folder = RunFolder(tmp_path)
+    save_config(RunConfig(dataset="digits", seed=3, out=str(tmp_path)), folder.config_path)
+    folder.save_checkpoint(Checkpoint(7, get_flat_params(digits_cnn.model)))
     loaded = load_target(str(tmp_path))
     assert "round 7" in loaded.label
     report = run_bench(loaded, seconds=0.3)

@@ -3,6 +3,7 @@
 import numpy as np
 
 from strategies.codecs import make_client_codec, parse_codec
+from strategies.dga import DGAServer
 from strategies.rounds import RoundEngine, Update, pipeline_window
 
 LAYOUT = (("w", (4,)),)
@@ -15,7 +16,7 @@ def _update(values: list[float], round_: int, n: int = 1) -> Update:
 
 
 def test_fedavg_lock_step_and_example_weighted_mean() -> None:
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=2, num_clients=2, delay=0)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=2, num_clients=2)
     first = engine.next_request(1)
     assert first is not None and first.global_round == 0 and first.next_round == 1 and first.last_round == 1
     assert engine.next_request(1) is None  # FedAvg cannot prefetch: round 2 needs round 1's model
@@ -31,7 +32,7 @@ def test_fedavg_lock_step_and_example_weighted_mean() -> None:
 
 
 def test_dga_asks_for_d_plus_one_rounds_per_message_one_message_at_a_time() -> None:
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=1, delay=3)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=1, strategy=DGAServer(3))
     first = engine.next_request(7)
     assert first is not None and first.global_round == 0 and (first.next_round, first.last_round) == (1, 4)
     assert engine.next_request(7) is None  # one message in flight
@@ -46,7 +47,7 @@ def test_dga_asks_for_d_plus_one_rounds_per_message_one_message_at_a_time() -> N
 
 
 def test_no_message_when_it_would_bring_nothing_new() -> None:
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=2, delay=1)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=2, strategy=DGAServer(1))
     assert engine.next_request(1) is not None and engine.next_request(2) is not None
     engine.receive(1, [_update([1, 1, 1, 1], r) for r in (1, 2)])  # client 1 is at its staleness bound
     assert engine.close_rounds(now=0) == []  # client 2 has not answered
@@ -56,7 +57,7 @@ def test_no_message_when_it_would_bring_nothing_new() -> None:
 def test_after_an_early_reply_the_next_message_brings_the_global_model() -> None:
     """A client that answered early (round 1 of the three D = 2 allows) is sent nothing until round 1 closes;
     a client whose reply lacked the round the server waits for is asked again."""
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=2, delay=2)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=2, strategy=DGAServer(2))
     assert engine.next_request(1) is not None and engine.next_request(2) is not None
     engine.receive(1, [_update([1, 1, 1, 1], 1)])
     assert engine.next_request(1) is None  # round 1 has its update; a message now would bring nothing
@@ -70,7 +71,7 @@ def test_after_an_early_reply_the_next_message_brings_the_global_model() -> None
 
 
 def test_refusals_leave_the_global_model_untouched() -> None:
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=5, num_clients=1, delay=1)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=5, num_clients=1, strategy=DGAServer(1))
     engine.next_request(1)
     reasons = engine.receive(1, [_update([1, 1, 1, 1], 3)])  # needs global of round 1: not sent yet
     assert [r.reason.split(":")[0] for r in reasons] == ["unrequested"]
@@ -113,7 +114,7 @@ def test_a_round_closes_without_the_updates_it_refused() -> None:
 
 
 def test_a_silent_client_holds_a_round_only_until_its_deadline() -> None:
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=3, delay=0, quorum=0.5, deadline_s=10.0)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=3, quorum=0.5, deadline_s=10.0)
     engine.start_clock(100.0)
     for client in (1, 2, 3):
         engine.next_request(client)
@@ -132,7 +133,7 @@ def test_a_silent_client_holds_a_round_only_until_its_deadline() -> None:
 
 
 def test_rounds_closed_together_keep_their_own_global_model() -> None:
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=1, delay=2)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=3, num_clients=1, strategy=DGAServer(2))
     engine.next_request(1)
     engine.receive(1, [_update([1, 1, 1, 1], 1), _update([2, 2, 2, 2], 2)])
     first, second = engine.close_rounds(now=0)
@@ -147,7 +148,7 @@ def test_a_pipelined_client_holds_two_messages_and_gets_a_new_global_model_at_on
     assert pipeline_window(delay=2, buffer=0, everyone=True) == 2
     assert pipeline_window(delay=0, buffer=0, everyone=True) == 1  # FedAvg's lock-step
     assert pipeline_window(delay=2, buffer=0, everyone=False) == 1  # partial participation
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=1, delay=2, window=2)
+    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=10, num_clients=1, strategy=DGAServer(2), window=2)
     first, second = engine.next_request(7), engine.next_request(7)
     assert first is not None and first.global_round == 0 and second is not None and second.global_round is None
     assert engine.next_request(7) is None  # two in flight

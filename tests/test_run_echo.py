@@ -16,6 +16,7 @@ from flwr.supercore.exit.exit_handler import trigger_exit_handlers
 
 from contract.run_folder import (
     CHECKPOINT,
+    CONFIG,
     ECHO,
     ECHO_CHUNK,
     GLOBAL_ONNX,
@@ -24,11 +25,10 @@ from contract.run_folder import (
     ROUNDS,
     SERVER_ERROR,
     SUMMARY,
+    Checkpoint,
     Mirror,
     RunFolder,
-    read_checkpoint,
     read_rounds,
-    save_checkpoint,
 )
 from contract.settings import build_config, save_config
 from edgefl.launcher import RUN_LOG, EchoStream, follow, prepare_run_dir
@@ -47,7 +47,7 @@ def _a_run(folder: RunFolder, rounds: int) -> None:
         folder.append(ROUNDS, {"round": r, "test_accuracy": 0.5})
         folder.append(MESSAGES, {"message_id": str(r)})
         params = rng.standard_normal(40_000).astype(np.float32)  # 160 kB: several echoed chunks
-        save_checkpoint(folder.path, r, params, wall_s=r, recent_norms=[1.0] * r, momentum=params / 2)
+        folder.save_checkpoint(Checkpoint(r, params, r, np.ones(r), params / 2))
     folder.write(GLOBAL_ONNX, rng.bytes(3 * ECHO_CHUNK + 5))
 
 
@@ -73,7 +73,7 @@ def test_every_file_comes_back_whole_and_the_checkpoint_once_before_the_summary(
     assert mirror.feed(text) == [] and mirror.close() == []
     for name in (ROUNDS, MESSAGES, CHECKPOINT, GLOBAL_ONNX, SUMMARY):
         assert (out / name).read_bytes() == (server / name).read_bytes(), name
-    assert read_checkpoint(out).round == 3
+    assert RunFolder(out).read_checkpoint().round == 3
     assert sorted(p.name for p in out.iterdir()) == sorted([ROUNDS, MESSAGES, CHECKPOINT, GLOBAL_ONNX, SUMMARY])
 
 
@@ -88,7 +88,8 @@ def test_an_echo_cut_short_or_garbled_is_refused_and_not_written(
     assert len(checkpoint) > 2
     out = tmp_path / "submitter"
     out.mkdir()
-    save_checkpoint(out, 1, np.ones(3, np.float32))  # what the submitter had: kept when the new one is refused
+    # what the submitter had: kept when the new one is refused
+    RunFolder(out).save_checkpoint(Checkpoint(1, np.ones(3, np.float32)))
     had = (out / CHECKPOINT).read_bytes()
 
     cut = Mirror(out)  # the stream ended one chunk short of the checkpoint (its last word never came)
@@ -116,7 +117,7 @@ def test_an_echo_cut_short_or_garbled_is_refused_and_not_written(
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("record", [{"file": "../evil", "row": {}}, {"file": "config.toml", "part": 0, "parts": 1,
+@pytest.mark.parametrize("record", [{"file": "../evil", "row": {}}, {"file": CONFIG, "part": 0, "parts": 1,
                                     "sha256": "", "data": ""}, {"file": ["x"], "row": {}}, [1, 2]])  # fmt: skip
 def test_an_echo_writes_nothing_but_the_files_of_a_run_folder(tmp_path: Path, record: object) -> None:
     refused = Mirror(tmp_path).feed(ECHO + json.dumps(record))
@@ -144,7 +145,7 @@ def test_a_stopped_run_echoes_its_checkpoint_then_says_it_stopped(
     out.mkdir()
     Mirror(out).feed(text)
     assert (out / SERVER_ERROR).read_text() == STOPPED == (server / SERVER_ERROR).read_text()
-    assert read_checkpoint(out).round == 2
+    assert RunFolder(out).read_checkpoint().round == 2
     trigger_exit_handlers(run_before_force_exit=True)  # Flower's exit after the run's end: no stop to record
     assert (server / SERVER_ERROR).read_text() == STOPPED and _echoed(capsys.readouterr().out) == []
 
@@ -167,7 +168,7 @@ def test_the_submitter_keeps_a_stopped_runs_checkpoint_and_says_why_it_ended(
         procs.start(RUN_LOG, ["cat", str(stream)])
         echo = EchoStream(procs.log_dir / f"{RUN_LOG}.log", run_dir, procs, said.append)
         echo.await_last_word(timeout_s=60)
-        assert (run_dir / SERVER_ERROR).read_text() == STOPPED and read_checkpoint(run_dir).round == 2
+        assert (run_dir / SERVER_ERROR).read_text() == STOPPED and RunFolder(run_dir).read_checkpoint().round == 2
         with pytest.raises(LaunchError, match="the server failed: stopped before the run's end"):
             follow(config, run_dir, procs, said.append, echo)
     assert [r["round"] for r in read_rounds(run_dir)] == [1, 2]
@@ -211,8 +212,8 @@ def test_a_remote_run_resumes_only_where_it_names_the_servers_folder(tmp_path: P
     remote = {"federation": "remote", "server": "127.0.0.1:9092", "insecure": True}
     config = build_config(dataset="digits", **remote, out=str(tmp_path / "r"))
     run_dir = prepare_run_dir(config)
-    save_config(config, run_dir / "config.toml")
-    save_checkpoint(run_dir, 2, np.ones(3, np.float32))
+    save_config(config, run_dir / CONFIG)
+    RunFolder(run_dir).save_checkpoint(Checkpoint(2, np.ones(3, np.float32)))
     with pytest.raises(LaunchError, match="does not name the server's folder of the run"):
         prepare_run_dir(config, resume=True)
     (run_dir / REMOTE_RUN).write_text("r-7\n")

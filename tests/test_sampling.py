@@ -13,6 +13,7 @@ from edge.agent import EdgeAgent
 from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, param_layout
 from strategies.codecs import parse_codec
+from strategies.dga import DGAServer
 from strategies.downlink import BroadcastEncoder
 from strategies.rounds import RoundEngine
 from strategies.sampling import Sampler, parse_clients_per_round
@@ -103,7 +104,9 @@ def test_dga_with_gaps_a_client_back_after_sitting_out_is_sent_the_newest_global
     newer with its request, however long it sat out (the staleness bound holds per round); an update for the next
     round, which D = 1 would allow, is refused when the client is not sampled for it."""
     sampler = Sampler(seed=5, population=3, per_round=1)
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=8, num_clients=3, delay=1, sampler=sampler)
+    engine = RoundEngine(
+        np.zeros(4, np.float32), LAYOUT, rounds=8, num_clients=3, strategy=DGAServer(1), sampler=sampler
+    )
     last_trained = {}
     for round_ in range(1, 9):
         (client,) = sampler.clients(round_)
@@ -122,7 +125,9 @@ def test_dga_with_gaps_a_client_with_nothing_in_flight_starts_from_the_newest_mo
     """D = 2, 3 clients, 1 per round: a client whose every update is aggregated is asked for round t only once
     round t − 1 has closed, and sent that model — not two rounds early with an older one it cannot correct."""
     sampler = Sampler(seed=5, population=3, per_round=1)
-    engine = RoundEngine(np.zeros(4, np.float32), LAYOUT, rounds=8, num_clients=3, delay=2, sampler=sampler)
+    engine = RoundEngine(
+        np.zeros(4, np.float32), LAYOUT, rounds=8, num_clients=3, strategy=DGAServer(2), sampler=sampler
+    )
     for round_ in range(1, 9):
         requests = {c: engine.next_request(c, c) for c in range(3)}
         (client,) = sampler.clients(round_)

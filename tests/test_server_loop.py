@@ -17,7 +17,7 @@ from contract.messages import TrainReply
 from contract.run_folder import ROUNDS, RunFolder
 from contract.settings import build_config
 from contract.wire import parse_instruction, reply_content, wire_size
-from fl_server.engine import ServerLoop, parsed_reply
+from fl_server.engine import PulledReplies, ServerLoop, parsed_reply
 from ml.data import load_dataset
 from ml.partition import partition_indices
 from strategies.codecs import make_client_codec, parse_codec
@@ -53,7 +53,7 @@ def make_loop(tmp_path: Path, flower_task: None) -> Iterator[Callable[..., tuple
         grid = Grid(nodes)
         config = build_config(dataset="digits", partition="iid", clients=2, rounds=2, seed=0, out=str(tmp_path),
                               **settings)  # fmt: skip
-        loops.append(ServerLoop(grid, config, RunFolder(tmp_path), "stock"))
+        loops.append(ServerLoop(grid, config, RunFolder(tmp_path), PulledReplies(grid, "stock")))
         return loops[-1], grid
 
     yield make
@@ -67,13 +67,13 @@ def _answer(loop: ServerLoop, message: Message, reply: TrainReply | Error, key_o
     if isinstance(reply, TrainReply):
         reply = dataclasses.replace(reply, reply_key=parse_instruction((key_of or message).content).reply_key)
     answer = Message(reply if isinstance(reply, Error) else reply_content(reply), reply_to=message)
-    loop._settle(answer, parsed_reply(answer), wire_size(answer), loop.now())
+    loop.settle(answer, parsed_reply(answer), wire_size(answer), loop.now())
 
 
 def _identify(loop: ServerLoop, grid: Grid, partitions: dict[int, int]) -> None:
     """Each node answers who it is: ``partitions``' partition, of the size the server's split gives it."""
     loop._refresh_nodes()
-    loop._push()
+    loop.push_requests()
     for node, partition in partitions.items():
         (asked,) = grid.to(node)
         _answer(loop, asked, TrainReply(partition, (), partition_size=loop.members.sizes[partition]))
@@ -100,12 +100,12 @@ def test_a_promoted_spare_trains_the_partition_it_takes_over(make_loop) -> None:
     assert loop.members.spares == {13: 1}
     grid.nodes = {11, 13}
     loop._refresh_nodes()
-    loop._push()
+    loop.push_requests()
     (asked,) = grid.to(13)
     assert grid.to(11) == [] and parse_instruction(asked.content).next_round == 1
     size = loop.members.sizes[1]
     _answer(loop, asked, TrainReply(1, (_update(loop, 1, size),), partition_size=size))
-    loop._close_rounds()
+    loop.close_rounds()
     (row,) = _rows(loop)
     assert (row["round"], row["clients"], row["rejected"]) == (1, [1], [])
 
@@ -115,13 +115,13 @@ def test_flowers_error_to_who_are_you_asks_again_and_only_the_agents_refusal_ref
     run: node 11 is asked again once it is seen, and answers; node 12 is never asked again."""
     loop, grid = make_loop({11, 12})
     loop._refresh_nodes()
-    loop._push()
+    loop.push_requests()
     _answer(loop, grid.to(11)[0], Error(ErrorCode.NODE_UNAVAILABLE, "Node is not available"))
     _answer(loop, grid.to(12)[0], Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "AgentError: partition 2 of 3"))
     assert loop.members.refused == {12}
     grid.sent.clear()
     loop._refresh_nodes()
-    loop._push()
+    loop.push_requests()
     (asked,) = grid.to(11)
     assert grid.to(12) == [] and not parse_instruction(asked.content).asks_for_rounds
     _answer(loop, asked, TrainReply(0, (), partition_size=loop.members.sizes[0]))
@@ -137,20 +137,20 @@ def test_updates_weighted_beyond_their_partition_are_refused_with_the_reason_in_
     split = partition_indices(load_dataset("digits"), "iid", 2, seed=0)  # as a device makes it
     assert sizes == {0: len(split[0]), 1: len(split[1])} and loop.members.split
     loop._refresh_nodes()
-    loop._push()
+    loop.push_requests()
     for node, partition, size in ((11, 0, sizes[0]), (12, 1, sizes[1]), (13, 1, 10**9)):
         _answer(loop, grid.to(node)[0], TrainReply(partition, (), partition_size=size))
     assert loop.members.admitted == {11: 0, 12: 1} and loop.members.refused == {13}
     grid.sent.clear()
-    loop._push()
+    loop.push_requests()
     (to_11,), (to_12,) = grid.to(11), grid.to(12)
     _answer(loop, to_11, TrainReply(0, (_update(loop, 1, sizes[0] + 1),), partition_size=sizes[0]))
     _answer(loop, to_12, TrainReply(0, (_update(loop, 1, sizes[0]),), partition_size=sizes[0]))  # not its own
     grid.sent.clear()
-    loop._push()
+    loop.push_requests()
     (to_12,) = grid.to(12)  # its reply was refused whole: it is asked again
     _answer(loop, to_12, TrainReply(1, (_update(loop, 1, sizes[1]),), partition_size=sizes[1]))
-    loop._close_rounds()
+    loop.close_rounds()
     (row,) = _rows(loop)
     assert row["clients"] == [1]
     reasons = [r["reason"] for r in row["rejected"]]
@@ -167,18 +167,18 @@ def test_a_reply_in_another_nodes_name_is_refused_and_the_node_it_names_asked_ag
     loop, grid = make_loop({11, 12})
     sizes = loop.members.sizes
     loop._refresh_nodes()
-    loop._push()
+    loop.push_requests()
     (to_11,), (to_12,) = grid.to(11), grid.to(12)
     _answer(loop, to_11, TrainReply(0, (), partition_size=sizes[0]), key_of=to_12)  # node 12 answers for node 11
     _answer(loop, to_12, TrainReply(1, (), partition_size=sizes[1]))
     assert loop.members.admitted == {12: 1} and not loop.members.refused
     grid.sent.clear()
     loop._refresh_nodes()
-    loop._push()
+    loop.push_requests()
     (to_11,) = grid.to(11)  # asked again; its own answer admits it
     _answer(loop, to_11, TrainReply(0, (), partition_size=sizes[0]))
     assert loop.members.admitted == {11: 0, 12: 1}
-    loop._push()
+    loop.push_requests()
 
     def rounds_to(node: int) -> list[Message]:
         return [m for m in grid.to(node) if parse_instruction(m.content).asks_for_rounds]
@@ -188,7 +188,7 @@ def test_a_reply_in_another_nodes_name_is_refused_and_the_node_it_names_asked_ag
     _answer(loop, to_11, forged, key_of=to_12)
     _answer(loop, to_12, TrainReply(1, (_update(loop, 1, sizes[1]),), partition_size=sizes[1]))
     grid.sent.clear()
-    loop._push()
+    loop.push_requests()
     # The forged reply settled its message, so the SuperLink will refuse node 11's own as a duplicate: node 11 is
     # asked for round 1 again, and to send again what it kept (edge.agent); node 12's next message asks no resend.
     (to_11,) = rounds_to(11)
@@ -196,7 +196,7 @@ def test_a_reply_in_another_nodes_name_is_refused_and_the_node_it_names_asked_ag
     assert (again.next_round, again.resend) == (1, True)
     assert not any(parse_instruction(m.content).resend for m in grid.to(12))
     _answer(loop, to_11, TrainReply(0, (_update(loop, 1, sizes[0]),), partition_size=sizes[0]))
-    loop._close_rounds()
+    loop.close_rounds()
     (row,) = _rows(loop)
     assert sorted(row["clients"]) == [0, 1]
     assert [r["reason"] for r in row["rejected"]] == [

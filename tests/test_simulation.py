@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contract.run_folder import read_checkpoint, read_rounds
+from contract.run_folder import RunFolder, read_rounds
 from contract.settings import ConfigError, build_config
 from edge.devices import device_profile
 from edgefl import cli
@@ -97,7 +97,7 @@ def test_a_simulation_and_a_deployment_train_the_same_global_model(tmp_path: Pat
     assert deployed.returncode == 0, deployed.stderr
     simulated = edgefl("run", *common, "--federation", "simulation", "--out", str(run_dir))
     assert simulated.returncode == 0, simulated.stderr
-    a, b = read_checkpoint(tmp_path / "deployed"), read_checkpoint(run_dir)
+    a, b = RunFolder(tmp_path / "deployed").read_checkpoint(), RunFolder(run_dir).read_checkpoint()
     assert a.round == b.round == 3
     np.testing.assert_array_equal(a.params, b.params)
     sampler = Sampler(0, 3, 2)

@@ -22,7 +22,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_installed_flower_is_the_code_edgefl_tunes() -> None:
     """Fails after a Flower upgrade that moves any of the waits edgefl changes: re-read them, then update the
-    digests in contract.transport (the run would otherwise go on with stock Flower, slower)."""
+    digests in contract.flower (TUNED_SOURCE; the run would otherwise go on with stock Flower, slower)."""
     done = _python("from contract.transport import why_stock; print(why_stock())")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "None"
@@ -49,7 +49,7 @@ def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
         from flwr.supernode import start_client_internal as loop
         from flwr.supercore.inflatable import inflatable_utils as objects
         name = "flwr.supernode.start_client_internal._push_messages"
-        transport.EXPECTED_SOURCE[name] = "0000000000000000"  # as after an upgrade
+        transport.TUNED_SOURCE[name] = "0000000000000000"  # as after an upgrade
         print(transport.tune())
         print(loop.time is time, objects.pull_objects.__kwdefaults__["initial_backoff"])
     """)
@@ -61,7 +61,8 @@ def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
 
 def test_the_installed_flower_serializes_as_edgefl_counts() -> None:
     """Fails after a Flower upgrade that changes the serialization ``message_bytes`` mirrors: re-read it, then
-    update COUNT_SOURCE (wire sizes would otherwise be counted by serializing whole messages again)."""
+    update contract.flower.COUNT_SOURCE (wire sizes would otherwise be counted by serializing whole messages
+    again)."""
     done = _python("from contract.transport import why_counted_whole; print(why_counted_whole())")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "None"

@@ -110,9 +110,10 @@ def test_refused_updates_leave_the_aggregate_untouched() -> None:
 
 
 def test_bad_filter_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="norm_factor"):
+    """No setting reaches them (the server uses this module's constants): a bad one is a programming error."""
+    with pytest.raises(AssertionError, match="norm_factor"):
         NormOutlierFilter(norm_factor=1.0)
-    with pytest.raises(ValueError, match="min_history"):
+    with pytest.raises(AssertionError, match="min_history"):
         NormOutlierFilter(history=2, min_history=3)
 
 

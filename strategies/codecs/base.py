@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from contract.errors import PeerError
 from strategies.spec import Parameter
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ FORMAT_VERSION = 1
 DENSE_HEADER = struct.Struct("<BI")  # version, P
 
 
-class CodecError(ValueError):
+class CodecError(PeerError, ValueError):
     """A bad layout, update or saved state for a codec; str() is one human-readable line."""
 
 

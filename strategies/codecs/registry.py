@@ -11,25 +11,29 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from strategies.codecs import dense, dgc, powersgd, quantize, sparse, stc
 from strategies.codecs.base import Codec, Compressor, Layout, MalformedUpdate
 from strategies.codecs.client import ClientCodec
-from strategies.codecs.dgc import DGC_STAGES, WARMUP_DENSITIES, DGCStage
+from strategies.codecs.dense import NONE
+from strategies.codecs.dgc import CLIP_PARAMETER, DGC, DGC_STAGES, WARMUP_DENSITIES, WARMUP_PARAMETER, DGCStage
+from strategies.codecs.powersgd import POWERSGD
+from strategies.codecs.quantize import INT8, ONEBIT, QSGD, TERNGRAD
+from strategies.codecs.sparse import THRESHOLD, TOPK
+from strategies.codecs.stc import STC
 from strategies.spec import Parameter, SpecError, label, parse_spec
 
 CODECS: dict[str, Codec] = {
     codec.name: codec
     for codec in (
-        dense.NONE,
-        sparse.TOPK,
-        stc.STC,
-        dgc.DGC,
-        powersgd.POWERSGD,
-        quantize.ONEBIT,
-        quantize.TERNGRAD,
-        sparse.THRESHOLD,
-        quantize.INT8,
-        quantize.QSGD,
+        NONE,
+        TOPK,
+        STC,
+        DGC,
+        POWERSGD,
+        ONEBIT,
+        TERNGRAD,
+        THRESHOLD,
+        INT8,
+        QSGD,
     )
 }
 DECODERS: dict[str, Compressor] = {codec.decoder.stype: codec.decoder for codec in CODECS.values()}
@@ -99,8 +103,8 @@ def _dgc_spec(sparsity: float | None, options: tuple[str, ...], text: str) -> Co
     return CodecSpec("dgc", sparsity, stages[0] if stages else "full", clips[0] if clips else None, warmup)
 
 
-CLIP = {"clip": dgc.CLIP_PARAMETER}
-WARMUP = {"warmup": dgc.WARMUP_PARAMETER}
+CLIP = {"clip": CLIP_PARAMETER}
+WARMUP = {"warmup": WARMUP_PARAMETER}
 GM = {"gm": Parameter("a momentum BETA in (0, 1)", lambda x: 0 < x < 1)}
 
 

@@ -58,8 +58,7 @@ GOLDEN_RATIO = (1 + math.sqrt(5)) / 2
 
 def rice_parameter(density: float) -> int:
     """b* = 1 + ⌊log2(log(φ − 1) / log(1 − p))⌋ for density p, clamped to [0, 31]."""
-    if not 0 < density < 1:
-        raise ValueError(f"density must be in (0, 1), got {density}")
+    assert 0 < density < 1, f"density must be in (0, 1), got {density}"  # the codec's spec is checked when parsed
     best = 1 + math.floor(math.log2(math.log(GOLDEN_RATIO - 1) / math.log1p(-density)))
     return min(max(best, 0), MAX_RICE_BITS)
 

@@ -1,0 +1,254 @@
+"""The one door to Flower's internals: every name edgefl takes from flwr beyond its public API (``flwr.app``,
+``flwr.clientapp``, ``flwr.serverapp``, ``flwr.serverapp.strategy``, ``flwr.simulation``, ``flwr.common``) comes
+from here, and so does every check of the code edgefl relies on. No other module imports flwr's internals
+(``tests/test_flower_door.py`` reads them all).
+
+- ``FLWR_CHECKED``: the flwr versions whose code was read when the tables below were written.
+- ``INTERNAL``: each internal name edgefl uses, by the module it comes from. A name is imported when it is first
+  taken from this module (``from contract.flower import HeartbeatSender``), so a process pays only for the
+  internals it uses (the Runtime API client's modules import FastAPI: a second per process); a name the
+  installed flwr does not have is refused in one line naming its version and the checked ones (``EdgeflError``).
+- The source digests (sha256 of ``inspect.getsource``, first 16 hex digits) of the code whose behaviour edgefl
+  relies on, one table per use, compared with the installed flwr's before the use (``why_differs``):
+
+  ``TUNED_SOURCE``: the SuperNode's waits ``contract.transport.tune`` shortens; where they differ, Flower runs
+  stock. ``COUNT_SOURCE``: the serialization ``contract.transport.message_bytes`` mirrors; where it differs, a
+  message is serialized whole to be counted. ``RUNTIME_SOURCE``: ``flwr-clientapp``, which ``fl_client.tasks``
+  serves tasks as (and sets a message's id as, ``set_message_id``), and the Runtime API client's interceptor chain
+  ``fl_client.runtime_owner`` checks connections through; ``GRID_SOURCE``: Flower's own FedAvg loop and the grids'
+  ``send_and_receive``, through which ``fl_server.baseline`` meters it (``meter_grid``). Those two have no stock
+  to fall back to: where their code differs, they refuse in one line (``EdgeflError``).
+
+Names used as they are documented in Flower's code (a proto message, ``ErrorCode``, the robust rules of
+``flwr.server.strategy.aggregate``) are checked only for being there.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from contract.errors import EdgeflError
+
+if TYPE_CHECKING:
+    from flwr.app import Message
+    from flwr.serverapp import Grid
+
+FLWR_CHECKED = ("1.41.0", "1.42.0")  # every digest below is of these versions' code
+
+
+def _installed() -> str:
+    try:
+        return importlib.metadata.version("flwr")
+    except importlib.metadata.PackageNotFoundError:  # e.g. flwr-nightly
+        return "none"
+
+
+INSTALLED = _installed()  # read once, at import: the version every check below compares
+
+# module -> the names edgefl takes from it, by user ("NAME as ALIAS": taken as ALIAS)
+INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
+    # fl_client.tasks, the Runtime API client: what flwr-clientapp uses
+    "flwr.app.message": ("remove_content_from_message", "make_message"),  # make_message: contract.transport
+    "flwr.common.constant": ("ErrorCode", "SubStatus"),  # ErrorCode: fl_server.engine too
+    "flwr.common.serde": ("context_from_proto", "context_to_proto", "message_from_proto", "message_to_proto"),
+    "flwr.proto.message_pb2": ("Message as MessageProto",),
+    "flwr.proto.node_pb2": ("Node",),
+    "flwr.proto.runtime_pb2": (
+        "AcquireTaskRequest", "PullAppMessagesRequest", "PullTaskInputRequest", "PushAppMessagesRequest",
+        "PushTaskOutputRequest", "SendTaskHeartbeatRequest",
+    ),
+    "flwr.supercore.constant": ("TaskType",),
+    "flwr.supercore.heartbeat": ("HeartbeatSender",),
+    "flwr.supercore.inflatable.inflatable_object": (
+        "get_all_nested_objects", "get_object_tree", "no_object_id_recompute",
+        "get_object_body",  # contract.transport
+    ),
+    "flwr.supercore.inflatable.inflatable_protobuf_utils": (
+        "make_confirm_message_received_fn_protobuf", "make_pull_object_fn_protobuf", "make_push_object_fn_protobuf",
+    ),
+    "flwr.supercore.inflatable.inflatable_utils": ("pull_and_inflate_object_from_tree", "push_objects"),
+    "flwr.supercore.interceptors": (
+        "RuntimeTokenHttpInterceptor", "RuntimeVersionHttpInterceptor", "SuperExecAuthHttpInterceptor",
+    ),
+    "flwr.supercore.retry": ("RetryInvoker", "constant"),
+    "flwr.supercore.runtime": ("RuntimeHttpClient",),
+    "flwr.supercore.task_identity": ("TaskIdentity",),
+    # fl_client.runtime_owner: an interceptor of the Runtime API client
+    "flwr.supercore.protobuf.client": ("ProtobufCall", "ProtobufRequestContext"),
+    # fl_client.supernode
+    "flwr.supernode.cli.flower_supernode": ("flower_supernode",),
+    # contract.transport.message_bytes
+    "flwr.proto.recorddict_pb2": ("ConfigRecord as ProtoConfigRecord",),
+    # fl_server.app: its last word on Flower's exit
+    "flwr.supercore.exit": ("add_exit_handler",),
+    "flwr.cli.constant": ("FLOWER_CONFIG_FILE",),  # edgefl.launcher: the file flwr's CLI reads its federations from
+    # fl_server.robust: Flower's robust rules
+    "flwr.server.strategy.aggregate": ("aggregate_krum", "aggregate_median", "aggregate_trimmed_avg"),
+}  # fmt: skip
+# the modules contract.transport.tune changes, taken whole, by the name edgefl gives them
+INTERNAL_MODULES = {
+    "supernode_loop": "flwr.supernode.start_client_internal",
+    "inflatable_utils": "flwr.supercore.inflatable.inflatable_utils",
+}
+# every internal name: the name edgefl uses -> (module, the attribute it is; None: the module itself)
+INTERNAL: dict[str, tuple[str, str | None]] = {
+    **{
+        name.split(" as ")[-1]: (module, name.split(" as ")[0])
+        for module, names in INTERNAL_NAMES.items()
+        for name in names
+    },
+    **{alias: (module, None) for alias, module in INTERNAL_MODULES.items()},
+}
+
+# the SuperNode's loop and the object transfers, whose waits contract.transport shortens
+TUNED_SOURCE = {
+    "flwr.supernode.start_client_internal.start_client_internal": "9e89a6eb68fbec68",
+    "flwr.supernode.start_client_internal._push_messages": "00bb86faffdec114",
+    "flwr.supernode.start_client_internal._pull_and_store_message": "eaf5d0e36dc34e4c",
+    "flwr.supercore.inflatable.inflatable_utils.pull_objects": "31bb2de46b450e6a",
+    "flwr.supercore.inflatable.inflatable_utils.push_objects": "5893dafc584a46c8",
+    "flwr.supercore.inflatable.inflatable_utils.push_object_contents_from_iterable": "89d2efe1cf720c91",
+    "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
+}
+
+# the serialization contract.transport.message_bytes mirrors
+COUNT_SOURCE = {
+    "flwr.app.message.configrecord.ConfigRecord.deflate": "b7b5d3320c0a2494",
+    "flwr.app.message.recorddict.RecordDict.deflate": "299a4095c874b251",
+    "flwr.app.message.message.Message.deflate": "8ad1a4a4651b4246",
+    "flwr.app.message.message.make_message": "7b10c6528e36538b",
+    "flwr.supercore.inflatable.inflatable_object.add_header_to_object_body": "750d1611d693ede5",
+    "flwr.supercore.inflatable.inflatable_object.get_object_body": "221a88d535135f90",
+}
+
+# flwr-clientapp, which fl_client.tasks serves tasks as (its calls, in its order; a message's id set in its
+# metadata's __dict__); the object transfers it passes edgefl's waits to; the interceptor chain of Flower's
+# Runtime API client, through which fl_client.runtime_owner checks each new connection before it is used
+RUNTIME_SOURCE = {
+    "flwr.supernode.runtime.run_clientapp.run_clientapp": "6ce09559f3a2f5dc",
+    "flwr.supernode.runtime.run_clientapp.pull_task_input": "5607a23e1673ee87",
+    "flwr.supernode.runtime.run_clientapp.push_message": "07cb512c93e065a9",
+    "flwr.supernode.runtime.run_clientapp.push_task_output": "9206407456e79e17",
+    "flwr.supercore.heartbeat.make_task_heartbeat_fn_http": "a50247986fc79b04",
+    "flwr.supercore.inflatable.inflatable_utils.pull_and_inflate_object_from_tree": "139811483a15e4a6",
+    "flwr.supercore.inflatable.inflatable_utils.pull_objects": "31bb2de46b450e6a",
+    "flwr.supercore.inflatable.inflatable_utils.push_objects": "5893dafc584a46c8",
+    "flwr.app.metadata.Metadata.__init__": "addaf6f8fb5b8030",
+    "flwr.app.metadata.Metadata.message_id": "9e0e1b5a50c5ff09",
+    "flwr.supercore.protobuf.client.ProtobufRequestContext": "ac89e51d64bb230c",
+    "flwr.supercore.protobuf.client.ProtobufClient._send": "8841dcbf6e34dda2",
+    "flwr.supercore.protobuf.client._wrap_interceptor": "afb53ef1401bddfd",
+}
+
+# Flower's own FedAvg (its loop, inherited from Strategy) and the grids' send_and_receive it calls, which call
+# the grid's push_messages and pull_messages: what fl_server.baseline meters
+STRATEGY_LOOP = "flwr.serverapp.strategy.FedAvg.start"
+GRID_SOURCE = {
+    STRATEGY_LOOP: "ce8c9834e592a755",
+    "flwr.superlink.grid.http_grid.HttpGrid.send_and_receive": "699c9f048f3cff74",
+    "flwr.superlink.grid.inmemory_grid.InMemoryGrid.send_and_receive": "0229edfa5741b928",
+}
+
+RUNTIME_API = "serves tasks by"  # what edgefl does with RUNTIME_SOURCE's code, in its refusal
+METERED = "meters Flower's FedAvg by"  # ... with GRID_SOURCE's
+
+
+def __getattr__(name: str) -> Any:
+    """An ``INTERNAL`` name, imported on first use."""
+    if name not in INTERNAL:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = INTERNAL[name]
+    try:
+        found = importlib.import_module(module)
+        if attribute is not None:
+            found = getattr(found, attribute)
+    except (ImportError, AttributeError) as exc:
+        missing = f"{module}.{attribute}" if attribute else module
+        raise EdgeflError(f"flwr {INSTALLED} has no {missing} ({exc}); {_checked()}") from None
+    globals()[name] = found
+    return found
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *INTERNAL})
+
+
+def _checked() -> str:
+    return f"edgefl was checked against flwr {' and '.join(FLWR_CHECKED)}"
+
+
+def source_digest(function: Callable[..., Any] | type) -> str:
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+
+
+def resolve(qualified: str) -> Any:
+    """A module's function or class, or a class's method or property's getter (``module.Class.method``), by its
+    qualified name."""
+    parts = qualified.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            found = getattr(found, name)
+        return found.fget if isinstance(found, property) else found
+    raise ImportError(f"no module in {qualified}")
+
+
+def why_differs(expected: Mapping[str, str], what: str) -> str | None:
+    """None when the installed flwr is one of ``FLWR_CHECKED`` and each function of ``expected`` hashes to its
+    digest; otherwise why not (one line). ``what``: what edgefl does with that code ("tunes", "counts by")."""
+    if INSTALLED not in FLWR_CHECKED:
+        return f"flwr {INSTALLED} is installed; edgefl {what} flwr {' or '.join(FLWR_CHECKED)}'s code only"
+    for qualified, digest in expected.items():
+        try:
+            found = source_digest(resolve(qualified))
+        except (ImportError, AttributeError, OSError, TypeError):
+            return f"{qualified} is missing"
+        if found != digest:
+            return f"{qualified} is not the code edgefl {what} (source digest {found}, expected {digest})"
+    return None
+
+
+def refuse_unless_checked(expected: Mapping[str, str], what: str) -> None:
+    """Raise ``EdgeflError`` (one line naming the installed flwr and the checked ones) unless ``why_differs``
+    finds nothing: for the uses of Flower's code that have no stock fallback."""
+    reason = why_differs(expected, what)
+    if reason is not None:
+        raise EdgeflError(reason if INSTALLED not in FLWR_CHECKED else f"flwr {INSTALLED} is installed but {reason}")
+
+
+@functools.cache
+def refuse_unless_runtime_api() -> None:
+    """``refuse_unless_checked`` for ``RUNTIME_SOURCE``, once per process when it passes."""
+    refuse_unless_checked(RUNTIME_SOURCE, RUNTIME_API)
+
+
+def set_message_id(message: Message, message_id: str) -> None:
+    """Give ``message`` its id as Flower's own ``flwr-clientapp`` does (a message's metadata holds its id in
+    ``_message_id``, read-only to the public API); ``RUNTIME_SOURCE`` checks the layout."""
+    message.metadata.__dict__["_message_id"] = message_id
+
+
+def meter_grid(
+    grid: Grid,
+    push: Callable[[Callable[..., Any]], Callable[..., Any]],
+    pull: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> None:
+    """Replace ``grid``'s ``push_messages`` and ``pull_messages`` on this instance with ``push(its own)`` and
+    ``pull(its own)``: what Flower's own FedAvg then calls, unchanged, through the grid's ``send_and_receive``.
+    Refused (``EdgeflError``) unless ``GRID_SOURCE`` holds that grid's code, and the installed flwr's."""
+    kind = type(grid)
+    loop = f"{kind.__module__}.{kind.__qualname__}.send_and_receive"
+    if loop not in GRID_SOURCE:
+        raise EdgeflError(f"edgefl {METERED} the grids of GRID_SOURCE only, not {kind.__qualname__}; {_checked()}")
+    refuse_unless_checked({STRATEGY_LOOP: GRID_SOURCE[STRATEGY_LOOP], loop: GRID_SOURCE[loop]}, METERED)
+    grid.push_messages = push(grid.push_messages)  # type: ignore[method-assign]
+    grid.pull_messages = pull(grid.pull_messages)  # type: ignore[method-assign]
