@@ -17,11 +17,11 @@ from typing import Any
 import tomli_w
 
 from contract.errors import EdgeflError, PeerError
-from ml.catalog import ModelError, check_model_for
+from ml.catalog import PARTITIONS, ModelError, check_model_for
 from strategies.codecs import CodecSpec, parse_codec
 from strategies.registry import app_of, mean_only, parse_strategy
 from strategies.sampling import Sampler, parse_clients_per_round
-from strategies.spec import Spec, parse_aggregate
+from strategies.spec import Spec, label, parse_aggregate, parse_spec
 from strategies.strategy import StrategySettings
 
 LR_SCHEDULES = ("constant", "cosine")  # see ml.trainer.scheduled_lr
@@ -81,15 +81,18 @@ class RunConfig:
     codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
     downlink_spec: CodecSpec = field(init=False, repr=False, compare=False)
     aggregate_spec: Spec = field(init=False, repr=False, compare=False)
+    partition_spec: Spec = field(init=False, repr=False, compare=False)  # what ml.data and ml.partition take
     per_round: int = field(init=False, repr=False, compare=False)  # clients_per_round as a count
 
     def __post_init__(self) -> None:
-        """Parse the specs, and write the strategy and codecs in their canonical form (dga:D, topk:0.01)."""
+        """Parse the specs, and write the strategy, codecs and partition in their canonical form (dga:D,
+        topk:0.01, dirichlet:0.3)."""
         parsed = {
             "strategy_spec": parse_strategy(self.strategy),
             "codec_spec": parse_codec(self.compress),
             "downlink_spec": parse_codec(self.compress_down),
             "aggregate_spec": parse_aggregate(self.aggregate),
+            "partition_spec": parse_partition(self.partition),
             "per_round": parse_clients_per_round(self.clients_per_round, max(1, self.clients)),
         }
         for name, value in parsed.items():
@@ -97,6 +100,7 @@ class RunConfig:
         object.__setattr__(self, "strategy", parsed["strategy_spec"].label)
         object.__setattr__(self, "compress", parsed["codec_spec"].label)
         object.__setattr__(self, "compress_down", parsed["downlink_spec"].label)
+        object.__setattr__(self, "partition", label(parsed["partition_spec"].name, parsed["partition_spec"].value))
 
     @property
     def name(self) -> str:
@@ -150,10 +154,12 @@ class ClientJob:
     compress: str
     strategy_spec: StrategySettings = field(init=False, repr=False, compare=False)
     codec_spec: CodecSpec = field(init=False, repr=False, compare=False)
+    partition_spec: Spec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy_spec", parse_strategy(self.strategy))
         object.__setattr__(self, "codec_spec", parse_codec(self.compress))
+        object.__setattr__(self, "partition_spec", parse_partition(self.partition))
 
     def sampler(self) -> Sampler:
         return Sampler(self.seed, self.clients, self.clients_per_round)
@@ -191,6 +197,12 @@ class ClientJob:
 
 
 _FIELDS = {f.name: f for f in fields(RunConfig) if f.init}
+
+
+def parse_partition(text: str) -> Spec:
+    """A partition scheme (``--partition``: iid, dirichlet:ALPHA, pathological:K, natural; ``ml.catalog``) as the
+    Spec ``ml.data`` and ``ml.partition`` take; raises SpecError, one line."""
+    return parse_spec(text, "partition", PARTITIONS)
 
 
 def _check(config: RunConfig) -> RunConfig:

@@ -60,7 +60,7 @@ class Session:
         self.partition_id = partition_id
         if data is None:
             data_dir = data_dir or job.data_dir or None
-            data = load_partition(job.dataset, data_dir, job.partition, num_partitions, job.seed, partition_id)
+            data = load_partition(job.dataset, data_dir, job.partition_spec, num_partitions, job.seed, partition_id)
         self.num_examples = len(data.y_train)
         self.model = build_model(data, job.seed, job.model)
         self.layout = param_layout(self.model)

@@ -22,7 +22,7 @@ from contract.errors import EdgeflError
 from contract.run_folder import CONFIG
 from contract.settings import ConfigError, RunConfig, build_config, build_config_from, load_config
 from edgefl.processes import interrupt_on_signals
-from strategies.registry import parse_strategy
+from strategies.dga import with_flags as dga_flags
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -95,7 +95,7 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
 def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | None = None) -> RunConfig:
     strategy = args.strategy
     if args.delay is not None or args.no_correction:
-        strategy = parse_strategy(strategy or "dga", args.delay, correction=not args.no_correction).label
+        strategy = dga_flags(strategy, args.delay, correction=not args.no_correction)
     keys = (
         "dataset",
         "model",
@@ -150,7 +150,7 @@ def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
         raise ConfigError("--federation simulation needs Ray: pip install 'flwr[simulation]==1.42.0'")
     dataset = load_dataset(config.dataset, config.data_dir or None)
     resolve_model(config.model, dataset.kind, dataset.name)
-    partition_indices(dataset, config.partition, config.clients, config.seed)
+    partition_indices(dataset, config.partition_spec, config.clients, config.seed)
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
     devices_for(config)

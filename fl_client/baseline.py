@@ -17,6 +17,7 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     import torch
 
+    from contract.settings import parse_partition
     from ml.data import load_dataset
     from ml.models import build_model
     from ml.partition import partition_indices
@@ -26,7 +27,7 @@ def train(msg: Message, context: Context) -> Message:
     job = msg.content["config"]
     pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     dataset = load_dataset(str(job["dataset"]), str(job["data-dir"]) or None)
-    idx = partition_indices(dataset, str(job["partition"]), num, int(job["seed"]))[pid]
+    idx = partition_indices(dataset, parse_partition(str(job["partition"])), num, int(job["seed"]))[pid]
     model = build_model(dataset, int(job["seed"]), str(job["model"]))
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     trainer = LocalTrainer(

@@ -44,7 +44,7 @@ def _dataset(name: str, data_dir: str) -> Dataset:
 def _partition(job: ClientJob, partition_id: int) -> Dataset:
     """A client's rows, cut once per worker from its copy of the data set (a few MB for a whole split)."""
     dataset = _dataset(job.dataset, job.data_dir)
-    return cut_partition(dataset, one_partition(dataset, job.partition, job.clients, job.seed, partition_id))
+    return cut_partition(dataset, one_partition(dataset, job.partition_spec, job.clients, job.seed, partition_id))
 
 
 def _session(context: Context, job: ClientJob, partition_id: int) -> Session:

@@ -121,7 +121,7 @@ def split_sizes(dataset: Dataset, config: RunConfig) -> dict[int, int] | None:
     (``ml.data.one_partition``, cached on disk); None, said in one line, when the split cannot be made here."""
     try:
         return {
-            p: len(one_partition(dataset, config.partition, config.clients, config.seed, p))
+            p: len(one_partition(dataset, config.partition_spec, config.clients, config.seed, p))
             for p in range(config.clients)
         }
     except DataError as exc:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ml.catalog import PARTITIONS  # noqa: F401 (re-exported)
 from ml.rows import DataError, Dataset, Rows, one_line
+from strategies.spec import Spec, label
 
 HF_PREFIX = "hf:"
 DATASET_NAMES: tuple[str, ...] = ("digits", "fashion-mnist", "mnist", "shakespeare", f"{HF_PREFIX}<hub name>")
@@ -191,13 +192,13 @@ def cut_partition(dataset: Dataset, rows: np.ndarray) -> Dataset:
 
 
 def load_partition(
-    name: str, data_dir: str | None, scheme: str, num_partitions: int, seed: int, partition_id: int
+    name: str, data_dir: str | None, spec: Spec, num_partitions: int, seed: int, partition_id: int
 ) -> Dataset:
     """A device's data: its partition's training rows, compact, and no test split. An idx set is read labels
     first, then streamed keeping only those rows; the other sets are loaded whole and cut."""
     if name not in IDX_SETS:
         dataset = load_dataset(name, data_dir)
-        return cut_partition(dataset, one_partition(dataset, scheme, num_partitions, seed, partition_id))
+        return cut_partition(dataset, one_partition(dataset, spec, num_partitions, seed, partition_id))
     folder, missing = _idx_source(name, data_dir)
     labels_file = next(
         (p for p in (folder / _IDX_STEMS["y_train"], folder / f"{_IDX_STEMS['y_train']}.gz") if p.is_file()), None
@@ -208,7 +209,7 @@ def load_partition(
     labels = Dataset(
         name, "image", empty, _read_idx(labels_file)[0].astype(np.int64), empty, np.zeros(0, np.int64), 10, None
     )
-    return _load_idx_set(name, folder, missing, keep=one_partition(labels, scheme, num_partitions, seed, partition_id))
+    return _load_idx_set(name, folder, missing, keep=one_partition(labels, spec, num_partitions, seed, partition_id))
 
 
 def _cache_dir() -> Path:
@@ -374,34 +375,36 @@ def _grayscale(images: Iterable, hub_name: str) -> np.ndarray:
     return np.stack(arrays)
 
 
-def one_partition(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:
-    """The rows of partition ``partition_id`` as ``ml.partition.partition_indices`` gives them. On a miss the
-    whole split is computed in a short-lived child process that is handed the labels only — flwr-datasets'
-    ~215 MB stay out of this one — and every partition is cached on disk, keyed by the labels and the split, so
-    the other clients of the run (a simulation's hundreds) read theirs from there."""
-    cache = _partition_file(dataset, scheme, num_partitions, seed, partition_id)
+def one_partition(dataset: Dataset, spec: Spec, num_partitions: int, seed: int, partition_id: int) -> np.ndarray:
+    """The rows of partition ``partition_id`` as ``ml.partition.partition_indices`` gives them, ``spec`` being the
+    run's parsed scheme (``RunConfig.partition_spec``). On a miss the whole split is computed in a short-lived
+    child process that is handed the labels only — flwr-datasets' ~215 MB stay out of this one — and every
+    partition is cached on disk, keyed by the labels and the split (the scheme's canonical label), so the other
+    clients of the run (a simulation's hundreds) read theirs from there."""
+    cache = _partition_file(dataset, spec, num_partitions, seed, partition_id)
     if not cache.is_file():
         labels = replace(dataset, x_train=Rows(np.zeros(0, np.uint8)), x_test=Rows(np.zeros(0, np.uint8)))
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
-            split = child.submit(_partitions, labels, scheme, num_partitions, seed).result()
+            split = child.submit(_partitions, labels, spec, num_partitions, seed).result()
         cache.parent.mkdir(parents=True, exist_ok=True)
         for pid, rows in enumerate(split):
-            path = _partition_file(dataset, scheme, num_partitions, seed, pid)
+            path = _partition_file(dataset, spec, num_partitions, seed, pid)
             partial = path.with_name(f"{path.name}.{os.getpid()}.partial.npy")
             np.save(partial, rows)
             os.replace(partial, path)  # atomic: clients of the same run may write the same split at once
     return np.load(cache)
 
 
-def _partition_file(dataset: Dataset, scheme: str, num_partitions: int, seed: int, partition_id: int) -> Path:
+def _partition_file(dataset: Dataset, spec: Spec, num_partitions: int, seed: int, partition_id: int) -> Path:
+    """Keyed by the scheme's canonical label: dirichlet:0.30 and dirichlet:0.3 are one split, one cache."""
     key = hashlib.sha256(dataset.y_train.tobytes())
     if dataset.natural_ids is not None:
         key.update(dataset.natural_ids.tobytes())
-    key.update(f"{scheme}/{num_partitions}/{seed}/{partition_id}".encode())
+    key.update(f"{label(spec.name, spec.value)}/{num_partitions}/{seed}/{partition_id}".encode())
     return _cache_dir() / "partitions" / f"{dataset.name.replace('/', '_')}-{key.hexdigest()[:24]}.npy"
 
 
-def _partitions(dataset: Dataset, scheme: str, num_partitions: int, seed: int) -> list[np.ndarray]:
+def _partitions(dataset: Dataset, spec: Spec, num_partitions: int, seed: int) -> list[np.ndarray]:
     from ml.partition import partition_indices
 
-    return partition_indices(dataset, scheme, num_partitions, seed)
+    return partition_indices(dataset, spec, num_partitions, seed)

@@ -19,23 +19,22 @@ from flwr_datasets.partitioner import (
     PathologicalPartitioner,
 )
 
-from ml.catalog import PARTITIONS
 from ml.rows import DataError, Dataset, one_line
-from strategies.spec import parse_spec
+from strategies.spec import Spec, label
 
 _DIRICHLET_MIN_PARTITION_SIZE = 10
 
 
-def partition_indices(dataset: Dataset, scheme: str, num_partitions: int, seed: int) -> list[np.ndarray]:
+def partition_indices(dataset: Dataset, spec: Spec, num_partitions: int, seed: int) -> list[np.ndarray]:
     """Split the training rows into ``num_partitions`` disjoint, sorted int64 index arrays.
 
-    The same (dataset, scheme, num_partitions, seed) always gives the same partitions. Schemes:
-    ``iid`` (IidPartitioner after a seeded shuffle), ``dirichlet:ALPHA`` (per-class Dirichlet(ALPHA) shares),
-    ``pathological:K`` (K classes per client, the first one round-robin, the rest seeded random) and
-    ``natural`` (one natural owner id per client, see ``_natural_partitions``).
+    The same (dataset, spec, num_partitions, seed) always gives the same partitions. Schemes (``spec``, parsed
+    once with the run's record: ``RunConfig.partition_spec``): ``iid`` (IidPartitioner after a seeded shuffle),
+    ``dirichlet:ALPHA`` (per-class Dirichlet(ALPHA) shares), ``pathological:K`` (K classes per client, the first
+    one round-robin, the rest seeded random) and ``natural`` (one natural owner id per client, see
+    ``_natural_partitions``).
     """
-    spec = parse_spec(scheme, "partition", PARTITIONS)
-    kind, param = spec.name, spec.value or 0.0
+    kind, param, scheme = spec.name, spec.value or 0.0, label(spec.name, spec.value)
     num_samples = len(dataset.y_train)
     if num_partitions < 1:
         raise DataError(f"number of partitions must be at least 1, got {num_partitions}")

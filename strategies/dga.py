@@ -49,6 +49,17 @@ def parse(spec: Spec, text: str) -> DGASettings:
     return DGASettings(int(spec.value or 0), not spec.options)
 
 
+def with_flags(text: str | None, delay: int | None, correction: bool) -> str:
+    """``--strategy`` with the separate ``--delay D`` / ``--no-correction`` flags folded in (``dga`` + ``--delay 2``
+    is ``dga:2``); raises SpecError when the strategy is not DGA."""
+    text = (text or "dga").strip().lower()
+    if text.split(":")[0] != "dga":
+        raise SpecError(f"strategy {text.split(':')[0]!r} takes no delay and no correction switch (only dga:D does)")
+    if text == "dga" and delay is not None:
+        text = f"dga:{delay}"
+    return text if correction or text.endswith(":nocorrection") else f"{text}:nocorrection"
+
+
 class DelayedAveragingClient(FedAvgClient):
     """What one client knows: the newest global model it has received and its own updates since."""
 
@@ -98,7 +109,6 @@ DGA = Strategy(
     lambda s: DelayedAveragingClient(s.delay, s.correction),
     lambda s, setup: DGAServer(s.delay),
     options=True,
-    summary="Delayed Gradient Averaging (Zhu et al. 2021): round t from the global model of t − D − 1, corrected",
 )
 
 

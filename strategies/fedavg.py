@@ -143,5 +143,4 @@ FEDAVG = Strategy(
     lambda spec, text: Plain("fedavg"),
     lambda settings: FedAvgClient(),
     lambda settings, setup: FedAvgServer(),
-    summary="FedAvg (McMahan et al. 2017): every round from the newest global model, the example-weighted mean",
 )

@@ -92,5 +92,4 @@ FEDBUFF = Strategy(
     lambda s, setup: FedBuffServer(s.buffer, s.server_lr),
     options=True,
     mean_only="weights updates by staleness",
-    summary="FedBuff (Nguyen et al. 2022): a server step per K buffered updates, weighted by staleness",
 )

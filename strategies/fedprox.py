@@ -50,5 +50,4 @@ FEDPROX = Strategy(
     lambda spec, text: FedProxSettings(float(spec.value or 0.0)),
     lambda s: FedProxClient(s.mu),
     lambda s, setup: FedAvgServer(),
-    summary="FedProx (Li et al. 2020): FedAvg with the proximal term μ/2‖w − wᵍ‖² in every local step",
 )

@@ -22,7 +22,6 @@ FLOWER_FEDAVG = Strategy(
     _flower_halves,
     _flower_halves,  # type: ignore[arg-type]
     app="flower",
-    summary="Flower's own FedAvg ServerApp and quickstart ClientApp, stock: the baseline",
 )
 
 STRATEGIES: dict[str, Strategy] = {
@@ -31,20 +30,12 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def parse_strategy(text: str, delay: int | None = None, correction: bool = True) -> StrategySettings:
-    """A ``--strategy`` setting as its strategy's record; ``delay``/``correction`` are the separate
-    ``--delay``/``--no-correction`` flags for ``dga`` without a D. Raises SpecError."""
-    if text.strip().lower() == "dga" and delay is not None:
-        text = f"dga:{delay}"
+def parse_strategy(text: str) -> StrategySettings:
+    """A ``--strategy`` setting as its strategy's record. Raises SpecError."""
     spec = parse_spec(text, "strategy", {name: row.parameter for name, row in STRATEGIES.items()}, options=True)
-    if spec.name != "dga" and (delay or not correction):
-        raise SpecError(f"strategy {spec.name!r} takes no delay and no correction switch (only dga:D does)")
     if spec.options and not STRATEGIES[spec.name].options:
         raise SpecError(f"strategy {spec.name!r} takes {'no' if spec.value is None else 'one'} parameter, got {text!r}")
-    settings = STRATEGIES[spec.name].parse(spec, text)
-    if spec.name == "dga" and not correction:
-        settings = dga.DGASettings(settings.delay, correction=False)
-    return settings
+    return STRATEGIES[spec.name].parse(spec, text)
 
 
 def client_half(settings: StrategySettings) -> ClientHalf:

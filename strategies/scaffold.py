@@ -116,5 +116,4 @@ SCAFFOLD = Strategy(
     lambda s: ScaffoldClient(),
     lambda s, setup: ScaffoldServer(setup),
     mean_only="counts every update a round takes in its control variate (a robust rule's dropped ones too)",
-    summary="SCAFFOLD (Karimireddy et al. 2020): local steps corrected by control variates c − c_i",
 )

@@ -185,4 +185,3 @@ class Strategy:
     options: bool = False  # whether anything may follow the VALUE (its ``parse`` checks what)
     mean_only: str = ""  # why it takes only --aggregate mean, in words ("": any rule of fl_server.robust)
     app: str = "edgefl"
-    summary: str = ""  # one line for --help and the README's table

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from contract.errors import EdgeflError
+from contract.settings import RunConfig, parse_partition
 from ml.data import (
     CHAR_VOCAB,
     FASHION_MNIST_DIR,
@@ -21,6 +22,7 @@ from ml.data import (
     SEQ_LEN,
     DataError,
     Dataset,
+    _partition_file,
     encode_chars,
     load_dataset,
     load_partition,
@@ -312,30 +314,34 @@ def label_entropy(labels: np.ndarray) -> float:
 
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet:0.5", "pathological:3"])
 def test_partitions_are_seeded_and_disjoint(digits: Dataset, scheme: str) -> None:
-    parts = partition_indices(digits, scheme, 5, seed=7)
+    parts = partition_indices(digits, parse_partition(scheme), 5, seed=7)
     assert len(parts) == 5 and all(part.dtype == np.int64 and len(part) > 0 for part in parts)
     joined = np.concatenate(parts)
     assert len(np.unique(joined)) == len(joined) and joined.min() >= 0 and joined.max() < len(digits.y_train)
-    again = partition_indices(digits, scheme, 5, seed=7)
+    again = partition_indices(digits, parse_partition(scheme), 5, seed=7)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
-    other = partition_indices(digits, scheme, 5, seed=8)
+    other = partition_indices(digits, parse_partition(scheme), 5, seed=8)
     assert not all(np.array_equal(a, b) for a, b in zip(parts, other, strict=True))
 
 
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet:0.5"])
 def test_iid_and_dirichlet_use_every_sample(digits: Dataset, scheme: str) -> None:
-    joined = np.concatenate(partition_indices(digits, scheme, 6, seed=0))
+    joined = np.concatenate(partition_indices(digits, parse_partition(scheme), 6, seed=0))
     assert np.array_equal(np.sort(joined), np.arange(len(digits.y_train)))
 
 
 def test_iid_partitions_have_equal_sizes(digits: Dataset) -> None:
-    sizes = [len(part) for part in partition_indices(digits, "iid", 6, seed=0)]
+    sizes = [len(part) for part in partition_indices(digits, parse_partition("iid"), 6, seed=0)]
     assert max(sizes) - min(sizes) <= 1
 
 
 def test_small_alpha_dirichlet_is_more_skewed_than_iid(digits: Dataset) -> None:
     def mean_entropy(scheme: str) -> float:
-        return float(np.mean([label_entropy(digits.y_train[p]) for p in partition_indices(digits, scheme, 8, 3)]))
+        return float(
+            np.mean(
+                [label_entropy(digits.y_train[p]) for p in partition_indices(digits, parse_partition(scheme), 8, 3)]
+            )
+        )
 
     assert mean_entropy("dirichlet:0.1") < mean_entropy("dirichlet:100") < mean_entropy("iid") + 0.05
     assert mean_entropy("dirichlet:0.1") < 0.8 * mean_entropy("iid")
@@ -343,7 +349,7 @@ def test_small_alpha_dirichlet_is_more_skewed_than_iid(digits: Dataset) -> None:
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_pathological_gives_k_classes_per_client(digits: Dataset, k: int) -> None:
-    for part in partition_indices(digits, f"pathological:{k}", 7, seed=1):
+    for part in partition_indices(digits, parse_partition(f"pathological:{k}"), 7, seed=1):
         assert len(np.unique(digits.y_train[part])) == k
 
 
@@ -368,7 +374,7 @@ def test_natural_gives_each_client_one_of_the_largest_owners() -> None:
     dataset = with_owners(owners)
     chosen_by_seed = []
     for seed in range(6):
-        parts = partition_indices(dataset, "natural", 3, seed)
+        parts = partition_indices(dataset, parse_partition("natural"), 3, seed)
         chosen = [np.unique(owners[part]) for part in parts]
         assert all(len(ids) == 1 for ids in chosen)
         chosen = [int(ids[0]) for ids in chosen]
@@ -379,13 +385,13 @@ def test_natural_gives_each_client_one_of_the_largest_owners() -> None:
         chosen_by_seed.append(tuple(chosen))
     assert len(set(chosen_by_seed)) > 1  # the seed decides which client gets which owner
 
-    everyone = partition_indices(dataset, "natural", len(counts), seed=0)
+    everyone = partition_indices(dataset, parse_partition("natural"), len(counts), seed=0)
     assert sorted(len(part) for part in everyone) == sorted(counts)
 
 
 @needs_shakespeare
 def test_natural_partitions_of_shakespeare_are_speakers(shakespeare: Dataset) -> None:
-    parts = partition_indices(shakespeare, "natural", 10, seed=0)
+    parts = partition_indices(shakespeare, parse_partition("natural"), 10, seed=0)
     assert all(len(np.unique(shakespeare.natural_ids[part])) == 1 for part in parts)
     assert len({int(shakespeare.natural_ids[part[0]]) for part in parts}) == 10
 
@@ -394,7 +400,7 @@ def test_natural_partitions_of_shakespeare_are_speakers(shakespeare: Dataset) ->
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet:0.3", "pathological:2"])
 def test_fashion_mnist_partitions_are_disjoint_and_non_empty(fashion: Dataset, scheme: str) -> None:
     for num_partitions in (4, 10):
-        parts = partition_indices(fashion, scheme, num_partitions, seed=0)
+        parts = partition_indices(fashion, parse_partition(scheme), num_partitions, seed=0)
         assert len(parts) == num_partitions and all(len(part) > 0 for part in parts)
         rows = np.concatenate(parts)
         assert len(np.unique(rows)) == len(rows) and rows.max() < len(fashion.y_train)
@@ -416,9 +422,9 @@ def test_fashion_mnist_partitions_are_disjoint_and_non_empty(fashion: Dataset, s
         ("pathological:1.5", "needs a whole number K ≥ 1"),
     ],
 )
-def test_malformed_schemes_are_rejected_with_the_reason(digits: Dataset, scheme: str, hint: str) -> None:
+def test_malformed_schemes_are_rejected_with_the_reason(scheme: str, hint: str) -> None:
     with pytest.raises(EdgeflError) as err:
-        partition_indices(digits, scheme, 2, seed=0)
+        RunConfig(partition=scheme)  # parsed once, when the record is made
     assert hint in one_line(err) and repr(scheme) in one_line(err)
 
 
@@ -429,8 +435,8 @@ def test_a_device_loads_only_its_partition(tmp_path: Path, name: str) -> None:
     if name == "mnist":
         write_mnist_dir(tmp_path, np.random.default_rng(1), gz=True)
     full = load_dataset(name, data_dir)
-    rows = partition_indices(full, "iid", 3, seed=2)[1]
-    part = load_partition(name, data_dir, "iid", 3, 2, 1)
+    rows = partition_indices(full, parse_partition("iid"), 3, seed=2)[1]
+    part = load_partition(name, data_dir, parse_partition("iid"), 3, 2, 1)
     np.testing.assert_array_equal(part.x_train.raw, full.x_train.raw[rows])
     np.testing.assert_array_equal(part.y_train, full.y_train[rows])
     assert (part.x_train.mean, part.x_train.std) == (full.x_train.mean, full.x_train.std)
@@ -440,11 +446,22 @@ def test_a_device_loads_only_its_partition(tmp_path: Path, name: str) -> None:
 def test_a_device_computes_its_partition_apart_and_keeps_its_rows_compact(digits: Dataset) -> None:
     """The agent's partition comes from a child process (flwr-datasets stays out of the agent) and is the same as
     the server's; its rows stay uint8 and become float32 only as minibatches."""
-    expected = partition_indices(digits, "dirichlet:0.5", 3, seed=4)[1]
-    np.testing.assert_array_equal(one_partition(digits, "dirichlet:0.5", 3, seed=4, partition_id=1), expected)
+    expected = partition_indices(digits, parse_partition("dirichlet:0.5"), 3, seed=4)[1]
+    np.testing.assert_array_equal(
+        one_partition(digits, parse_partition("dirichlet:0.5"), 3, seed=4, partition_id=1), expected
+    )
     rows = digits.x_train.subset(expected)
     assert rows.raw.dtype == np.uint8 and len(rows) == len(expected)
     np.testing.assert_array_equal(rows[[0, 2]], digits.x_train[expected[[0, 2]]])
+
+
+def test_a_scheme_is_parsed_once_and_its_split_cached_under_its_canonical_label(digits: Dataset) -> None:
+    config = RunConfig(partition="Dirichlet:0.30")
+    assert config.partition == "dirichlet:0.3" and config.partition_spec == parse_partition("dirichlet:0.3")
+    assert config.client_job().partition_spec == config.partition_spec
+    written = _partition_file(digits, parse_partition("dirichlet:0.30"), 3, 4, 1)
+    assert written == _partition_file(digits, config.partition_spec, 3, 4, 1)
+    assert written != _partition_file(digits, parse_partition("dirichlet:0.31"), 3, 4, 1)
 
 
 @pytest.mark.parametrize(
@@ -459,11 +476,11 @@ def test_a_device_computes_its_partition_apart_and_keeps_its_rows_compact(digits
 )
 def test_impossible_partitions_raise_data_errors(digits: Dataset, scheme: str, num_partitions: int, hint: str) -> None:
     with pytest.raises(EdgeflError) as err:
-        partition_indices(digits, scheme, num_partitions, seed=0)
+        partition_indices(digits, parse_partition(scheme), num_partitions, seed=0)
     assert hint in one_line(err)
 
 
 def test_more_natural_partitions_than_owners_is_an_error() -> None:
     with pytest.raises(DataError) as err:
-        partition_indices(with_owners(np.array([0, 0, 1, 1, 2])), "natural", 4, seed=0)
+        partition_indices(with_owners(np.array([0, 0, 1, 1, 2])), parse_partition("natural"), 4, seed=0)
     assert "only 3 natural ids" in one_line(err)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from contract.settings import parse_partition
 from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.partition import partition_indices
@@ -181,7 +182,7 @@ def federate(down: str | None, rounds: int = 4) -> list[np.ndarray]:
     """FedAvg (D = 0) of 2 clients training a real model on digits; the global model after every round.
     down=None: clients are handed the server's global model itself (plain FedAvg), else the broadcast."""
     dataset = load_dataset("digits")
-    parts = partition_indices(dataset, "iid", 2, 0)
+    parts = partition_indices(dataset, parse_partition("iid"), 2, 0)
     model = build_model(dataset, 0)
     layout = param_layout(model)
     engine = RoundEngine(get_flat_params(model), layout, rounds=rounds, num_clients=2)

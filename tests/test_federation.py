@@ -18,6 +18,7 @@ import torch
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
 from contract.run_folder import RunFolder, read_rounds
+from contract.settings import parse_partition
 from edgefl.launcher import flower_env
 from fl_client.tasks import TaskTiming
 from ml.data import load_dataset
@@ -78,7 +79,7 @@ def _fedavg_written_here(rounds: int, steps: int, lr: float, momentum: float, se
     steps of torch SGD (its momentum kept across rounds, its minibatches a seeded reshuffle per epoch) from the
     global model; the server adds the example-weighted mean of their updates."""
     dataset = load_dataset("digits")
-    parts = partition_indices(dataset, "iid", 2, seed)
+    parts = partition_indices(dataset, parse_partition("iid"), 2, seed)
     models = [build_model(dataset, seed) for _ in parts]
     optimizers = [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in models]
     rngs = [np.random.default_rng(seed * 1000 + pid) for pid in range(2)]

@@ -15,7 +15,7 @@ from flwr.common.constant import ErrorCode
 
 from contract.messages import TrainReply
 from contract.run_folder import ROUNDS, RunFolder
-from contract.settings import build_config
+from contract.settings import build_config, parse_partition
 from contract.wire import parse_instruction, reply_content, wire_size
 from fl_server.engine import PulledReplies, ServerLoop, parsed_reply
 from ml.data import load_dataset
@@ -134,7 +134,7 @@ def test_updates_weighted_beyond_their_partition_are_refused_with_the_reason_in_
     partition; both appear in the round's ``rejected``, and the round closes on the honest update."""
     loop, grid = make_loop({11, 12, 13})
     sizes = loop.members.sizes
-    split = partition_indices(load_dataset("digits"), "iid", 2, seed=0)  # as a device makes it
+    split = partition_indices(load_dataset("digits"), parse_partition("iid"), 2, seed=0)  # as a device makes it
     assert sizes == {0: len(split[0]), 1: len(split[1])} and loop.members.split
     loop._refresh_nodes()
     loop.push_requests()

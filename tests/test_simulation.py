@@ -89,10 +89,14 @@ def test_a_mixed_fleet_repeats_its_lists_over_the_clients() -> None:
 
 
 @pytest.mark.federation
-def test_a_simulation_and_a_deployment_train_the_same_global_model(tmp_path: Path, run_dir: Path) -> None:
-    """Same seed, clients and sampling (3 clients, 2 a round), FedAvg: the deployment (SuperLink, SuperNodes, edge
-    agents) and the simulation (Ray actors, sessions kept in Flower's node state) end on the same global model."""
-    common = [*DIGITS, "--clients", "3", "--clients-per-round", "2", "--rounds", "3"]
+@pytest.mark.parametrize("strategy", ["fedavg", "fedprox:0.1", "scaffold"])
+def test_a_simulation_and_a_deployment_train_the_same_global_model(
+    tmp_path: Path, run_dir: Path, strategy: str
+) -> None:
+    """Same seed, clients and sampling (3 clients, 2 a round): the deployment (SuperLink, SuperNodes, edge agents)
+    and the simulation (Ray actors, sessions kept in Flower's node state) end on the same global model — and, for
+    SCAFFOLD, on the same control variates, each client's sent with its global models both ways."""
+    common = [*DIGITS, "--clients", "3", "--clients-per-round", "2", "--rounds", "3", "--strategy", strategy]
     deployed = edgefl("run", *common, "--out", str(tmp_path / "deployed"))
     assert deployed.returncode == 0, deployed.stderr
     simulated = edgefl("run", *common, "--federation", "simulation", "--out", str(run_dir))
@@ -100,6 +104,9 @@ def test_a_simulation_and_a_deployment_train_the_same_global_model(tmp_path: Pat
     a, b = RunFolder(tmp_path / "deployed").read_checkpoint(), RunFolder(run_dir).read_checkpoint()
     assert a.round == b.round == 3
     np.testing.assert_array_equal(a.params, b.params)
+    assert sorted(a.strategy) == sorted(b.strategy) == ([] if strategy != "scaffold" else ["c", "c/0", "c/1", "c/2"])
+    for key in a.strategy:
+        np.testing.assert_array_equal(a.strategy[key], b.strategy[key])
     sampler = Sampler(0, 3, 2)
     assert [r["clients"] for r in read_rounds(run_dir)] == [sorted(sampler.clients(t)) for t in (1, 2, 3)]
     assert json.loads((run_dir / "summary.json").read_text())["transport"] == "simulation"
