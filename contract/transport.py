@@ -1,7 +1,7 @@
-"""Flower 1.41's fixed waits on the message path, shortened: the one place edgefl changes Flower's private
+"""Flower's fixed waits on the message path, shortened: the one place edgefl changes Flower's private
 behaviour. Each row is a wait in Flower's own code that a message round trip pays:
 
-| where (flwr 1.41.0)                                  | stock                    | tuned                          |
+| where (flwr 1.41.0, 1.42.0)                          | stock                    | tuned                          |
 |------------------------------------------------------|--------------------------|--------------------------------|
 | SuperNode, after a pull for messages found none      | 3 s                      | 10 ms, ×1.5 per empty pull,    |
 | (``start_client_internal``; one Fleet request each)  |                          | 250 ms at most (IDLE_POLL_S)   |

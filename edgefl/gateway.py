@@ -1,6 +1,6 @@
 """The server's one door to the network, and the submitter's key to it.
 
-Flower 1.41's SuperLink serves its Fleet API (devices), its Control API (``flwr run``, ``flwr supernode
+Flower's SuperLink (1.41, 1.42) serves its Fleet API (devices), its Control API (``flwr run``, ``flwr supernode
 register``) and its ServerAppIo API (the ServerApp) on one port, and the Control API authenticates nobody
 unless Flower's enterprise user authentication is set up: whoever reaches the port can register a node key
 and run code on the server. So the SuperLink listens on the server's loopback only and nginx faces the network

@@ -32,12 +32,12 @@ VARIATE = "c"  # the server's c in ``state()``; each client's c_i is "c/<partiti
 
 
 class ScaffoldSum(WeightedMean):
-    """A round's example-weighted Σ Δy_i, and Σ Δc_i with each client's new c_i⁺ (applied when the round closes)."""
+    """A round's example-weighted Σ Δy_i, and each client's Δc_i (summed when the round closes, in the order of the
+    clients' partitions, so that c does not depend on the order the updates arrived in)."""
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
-        self.variate_sum = np.zeros(size, dtype=np.float64)
-        self.variates: dict[int, np.ndarray] = {}
+        self.changes: dict[int, np.ndarray] = {}
 
 
 class ScaffoldServer(FedAvgServer):
@@ -57,16 +57,18 @@ class ScaffoldServer(FedAvgServer):
         summed.add(update, contribution.num_examples)
         setup = self.setup
         scale = (1.0 - setup.momentum) / (setup.local_steps * setup.lr_at(contribution.round))
-        change = -scale * update.astype(np.float64) - self.variate  # Δc_i = c_i⁺ − c_i
-        summed.variate_sum += change
-        own = self.client_variates.get(contribution.source)
-        summed.variates[contribution.source] = (change if own is None else own + change).astype(np.float32)
+        summed.changes[contribution.source] = -scale * update.astype(np.float64) - self.variate  # Δc_i = c_i⁺ − c_i
 
     def close(self, summed: RoundSum, mean: np.ndarray) -> np.ndarray:
-        """c ← c + (1/N) Σ Δc_i, and each contributing client's c_i ← c_i⁺."""
+        """c ← c + (1/N) Σ Δc_i, and each contributing client's c_i ← c_i⁺ = c_i + Δc_i."""
         assert isinstance(summed, ScaffoldSum)
-        self.variate = (self.variate + summed.variate_sum / self.setup.clients).astype(np.float32)
-        self.client_variates.update(summed.variates)
+        total = np.zeros(self.variate.size, dtype=np.float64)
+        for source in sorted(summed.changes):
+            change = summed.changes[source]
+            total += change
+            own = self.client_variates.get(source)
+            self.client_variates[source] = (change if own is None else own + change).astype(np.float32)
+        self.variate = (self.variate + total / self.setup.clients).astype(np.float32)
         return mean
 
     def message_state(self, source: int) -> np.ndarray | None:

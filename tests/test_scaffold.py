@@ -308,3 +308,21 @@ def test_scaffold_takes_only_the_plain_mean() -> None:
         build_config(strategy="scaffold", aggregate="median")
     assert "\n" not in str(raised.value)
     assert build_config(strategy="scaffold").strategy == "scaffold"
+
+
+def test_the_variate_does_not_depend_on_the_order_updates_arrive_in() -> None:
+    """c sums the clients' Δc_i in the order of their partitions, not of arrival: a deployment's replies arrive in
+    any order, and the same round must give the same c to the last bit (as a simulation's does)."""
+    rng = np.random.default_rng(4)
+    size = 200_000  # summed in arrival order, ~76 of these float32 entries differ between the two orders
+    updates = {source: rng.normal(size=size).astype(np.float32) for source in range(5)}
+    setup = ServerSetup(size, 5, 7, 0.9, lambda _round: 0.03)
+    variates = []
+    for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1]):
+        server = ScaffoldServer(setup)
+        summed = server.open(size)
+        for source in order:
+            server.add(summed, updates[source], Contribution(source, 1, 1, 10))
+        server.close(summed, summed.mean())
+        variates.append(server.variate)
+    assert variates[0].tobytes() == variates[1].tobytes()
