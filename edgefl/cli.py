@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="several strategies on identical data, seeds and links; one report")
     add_run_options(p, several_profiles=True)
-    p.add_argument("--strategies", help="comma-separated, e.g. fedavg,dga:4 (default fedavg,dga:2)")
+    p.add_argument("--strategies", help="comma-separated, e.g. fedavg,dga:4,fedprox:0.01,scaffold (default "
+                   "fedavg,dga:2)")  # fmt: skip
     p.add_argument("--out", help="report folder (default runs/compare)")
     p.set_defaults(func=cmd_compare)
 

@@ -3,7 +3,8 @@
     Δ̄ᵗ = Σ_k n_k Δ_kᵗ / Σ_k n_k,    wᵗ = wᵗ⁻¹ + Δ̄ᵗ,
 
 built incrementally as updates arrive so that the server holds one dense accumulator per open round, not one
-vector per client."""
+vector per client. Its two halves (``FedAvgServer``, ``FedAvgClient``) are the base of every other strategy's
+(``strategies.strategy``); server momentum (FedAvgM) acts on any strategy's step."""
 
 from __future__ import annotations
 
