@@ -175,11 +175,9 @@ class RoundEngine:
         ``window``: messages kept in flight per client (``pipeline_window`` for the strategy).
         ``partition_sizes``: partition → its training examples, the most an update of it may claim, read as updates
         come (``fl_server.membership`` fills it in as nodes join); None: unchecked."""
-        if not 0 < quorum <= 1:
-            raise AssertionError(f"quorum must be in (0, 1], got {quorum}")  # RunConfig checks it (ConfigError)
+        assert 0 < quorum <= 1, f"quorum must be in (0, 1], got {quorum}"  # RunConfig checks it (ConfigError)
         self.strategy = strategy or FedAvgServer()
-        if self.strategy.buffer and (self.strategy.delay or aggregator):
-            raise AssertionError("FedBuff's buffer takes D = 0 and the plain mean")  # the strategy's parse checks it
+        assert not (self.strategy.buffer and aggregator), "FedBuff's buffer takes the plain mean"  # settings check it
         self.global_params = initial_params.astype(np.float32, copy=True)
         self.layout = layout
         self.rounds = rounds
