@@ -233,7 +233,8 @@ wait "$!" || run_status=$?
 unset 'PIDS[-1]'
 run_s=$((SECONDS - start))
 
-# Every round in rounds.jsonl, each closed with client 0's update; prints round 1's wall-clock seconds.
+# Every round in rounds.jsonl, each closed with client 0's update; prints round 1's wall-clock seconds and the
+# highest peak RSS the agent reported (client_health; under qemu-user, the emulator's memory is in it too).
 first_round=$(python3 - "$OUT/run/rounds.jsonl" "$ROUNDS" 2>&1 <<'EOF'
 import json, math, sys
 path, rounds = sys.argv[1], int(sys.argv[2])
@@ -243,7 +244,9 @@ if len(rows) != rounds:
 for row in rows:
     if row["clients"] != [0] or row["bytes_up"] <= 0 or not math.isfinite(row["train_loss"]):
         sys.exit(f"round {row['round']} has no update from client 0")
-print(f"{rows[0]['wall_s']:.1f} s (client's local training {rows[0]['client_train_s']:.1f} s)")
+peak = max((row["client_health"].get("0") or {}).get("peak_rss_mb") or 0.0 for row in rows)
+print(f"{rows[0]['wall_s']:.1f} s (client's local training {rows[0]['client_train_s']:.1f} s); "
+      f"the agent's peak RSS {peak:.0f} MB")
 EOF
 ) || {
     echo "aarch64_check: $first_round" | tee -a "$LOG"

@@ -1,56 +1,125 @@
-"""Where an edge agent's memory goes: its process's peak resident memory (ru_maxrss) after each stage of
-starting a session and training a round, in one fresh process, as on a device.
+"""Where an edge agent's memory goes: the peak resident memory of a real agent process (``python -m
+fl_client.node``) serving a whole run of a local federation beside its real SuperNode, for each model asked for,
+and where it goes: the process's peak after each stage of starting a session and training a round, in
+one fresh process, as on a device (VmHWM: ru_maxrss would count this script's own memory when it forked).
 
-    python bench/agent_memory.py [--dataset fashion-mnist] [--partition dirichlet:0.3] [--clients 4]
-"""
+    python bench/agent_memory.py [--cases fashion-mnist:cnn,shakespeare:leaf-lstm] [--clients 2] [--rounds 4]
+
+result.json: ``peak_rss_mb`` (the highest agent's VmHWM over the cases), ``supernode_peak_rss_mb`` (its SuperNode's
+beside it), and per case each agent's and SuperNode's peak, the highest peak its replies reported
+(``client_health``) and the stages."""
 
 from __future__ import annotations
 
 import argparse
-import resource
+import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from results import write_result
 
-
-def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+STAGES = "--stages"  # this script, run as the fresh process that measures the stages of one case
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="fashion-mnist")
-    parser.add_argument("--partition", default="dirichlet:0.3")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--local-steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-agent-memory"))
-    args = parser.parse_args()
-    stages = {"python": peak_mb()}
+def vm_hwm_mb(pid: int) -> float:
+    """The peak resident memory of the live process ``pid`` (VmHWM), in MB."""
+    found = re.search(r"^VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
+    return int(found.group(1)) / 1024 if found else 0.0
+
+
+def stages(dataset: str, model: str, partition: str, clients: int, local_steps: int) -> dict[str, float]:
+    """This process's peak after each stage of starting partition 0's session and training its first round."""
+
+    def peak_mb() -> float:
+        return vm_hwm_mb(os.getpid())
+
+    measured = {"python": peak_mb()}
     import torch
 
     torch.set_num_threads(1)
-    stages["+ torch"] = peak_mb()
+    measured["+ torch"] = peak_mb()
     import fl_client.tasks  # noqa: F401  (Flower's runtime client, as the agent's process holds it)
 
-    stages["+ Flower's runtime client"] = peak_mb()
+    measured["+ Flower's runtime client"] = peak_mb()
     from contract.settings import build_config
     from edge.agent import Session
     from ml.models import get_flat_params
 
-    job = build_config(dataset=args.dataset, partition=args.partition, clients=args.clients,
-                       local_steps=args.local_steps).client_job()  # fmt: skip
-    session = Session(job, 0, args.clients)
-    stages["+ a session: its partition (uint8), model, torch optimizer, codec"] = peak_mb()
+    job = build_config(dataset=dataset, model=model, partition=partition, clients=clients,
+                       local_steps=local_steps).client_job()  # fmt: skip
+    session = Session(job, 0, clients)
+    measured["+ a session: its partition, model, optimizer, codec"] = peak_mb()
     session.train_one_round(1, get_flat_params(session.model))  # from the model as built: the first global model
-    stages["+ one round of training"] = peak_mb()
-    lines = [f"{args.dataset} {args.partition}, partition 0 of {args.clients} ({session.num_examples} examples)", "",
-             "| stage | peak RSS MB | added MB |", "|---|---|---|"]  # fmt: skip
-    previous = 0.0
-    for stage, mb in stages.items():
-        lines.append(f"| {stage} | {mb:.0f} | {mb - previous:+.0f} |")
-        previous = mb
-    write_result(args.out, "\n".join(lines), {"peak_rss_mb": previous, "stages_mb": stages})
+    measured["+ one round of training"] = peak_mb()
+    return measured
+
+
+def served(dataset: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A whole run of ``args.rounds`` rounds served by a local federation of ``args.clients`` agents: each agent's
+    and SuperNode's VmHWM once the run has ended (before they stop), and the highest peak the replies reported."""
+    from contract.run_folder import read_rounds
+    from contract.settings import build_config
+    from edgefl.launcher import local_federation, run_on
+
+    out = (args.out / f"{dataset}-{model}").resolve()
+    config = build_config(dataset=dataset, model=model, partition=args.partition, clients=args.clients,
+                          rounds=args.rounds, local_steps=args.local_steps, eval_examples=args.eval_examples,
+                          out=str(out))  # fmt: skip
+    with local_federation(config, out, progress=lambda line: None) as federation:
+        run_dir = run_on(federation, config, progress=lambda line: print(f"  {line}", flush=True))
+        pids = {name: proc.pid for name, proc in federation.procs.procs}
+        agents = [round(vm_hwm_mb(pids[f"agent-{i}"]), 1) for i in range(args.clients)]
+        supernodes = [round(vm_hwm_mb(pids[f"supernode-{i}"]), 1) for i in range(args.clients)]
+    reported = [report["peak_rss_mb"] for row in read_rounds(run_dir)
+                for report in row["client_health"].values() if report.get("peak_rss_mb")]  # fmt: skip
+    return {"agents_mb": agents, "supernodes_mb": supernodes, "reported_mb": max(reported, default=None),
+            "rounds": len(read_rounds(run_dir))}  # fmt: skip
+
+
+def fresh_stages(dataset: str, model: str, args: argparse.Namespace) -> dict[str, float]:
+    argv = [sys.executable, __file__, STAGES, dataset, model, args.partition, str(args.clients), str(args.local_steps)]
+    return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+
+
+def main() -> int:
+    if sys.argv[1:2] == [STAGES]:
+        dataset, model, partition, clients, steps = sys.argv[2:]
+        print(json.dumps(stages(dataset, model, partition, int(clients), int(steps))))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="fashion-mnist:cnn,shakespeare:leaf-lstm", help="DATASET:MODEL,...")
+    parser.add_argument("--partition", default="dirichlet:0.3", help="of the image data sets (text: natural)")
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--local-steps", type=int, default=10)
+    parser.add_argument("--eval-examples", type=int, default=500, help="the server's test sample (0: all)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-agent-memory"))
+    args = parser.parse_args()
+    cases: dict[str, dict[str, Any]] = {}
+    lines = [f"{args.clients} clients, {args.rounds} rounds of {args.local_steps} local steps, FedAvg, loopback", ""]
+    for case in args.cases.split(","):
+        dataset, model = case.split(":")
+        print(f"{case}: stages, then a served run", flush=True)
+        partition = "natural" if dataset == "shakespeare" else args.partition
+        measured = fresh_stages(dataset, model, argparse.Namespace(**{**vars(args), "partition": partition}))
+        run = served(dataset, model, argparse.Namespace(**{**vars(args), "partition": partition}))
+        measured["+ serving a run's messages (the agent's VmHWM)"] = max(run["agents_mb"])
+        cases[case] = {**run, "stages_mb": measured}
+        lines += [f"### {case} ({partition})", "", "| stage | peak RSS MB | added MB |", "|---|---|---|"]
+        previous = 0.0
+        for stage, mb in measured.items():
+            lines.append(f"| {stage} | {mb:.0f} | {mb - previous:+.0f} |")
+            previous = mb
+        lines += ["", f"agents' VmHWM {run['agents_mb']} MB, their SuperNodes' {run['supernodes_mb']} MB; the highest "
+                  f"peak the replies reported (client_health): {run['reported_mb']} MB", ""]  # fmt: skip
+    peak_case = max(cases, key=lambda c: max(cases[c]["agents_mb"]))
+    figures = {"peak_rss_mb": max(cases[peak_case]["agents_mb"]),
+               "supernode_peak_rss_mb": max(cases[peak_case]["supernodes_mb"]), "cases": cases}  # fmt: skip
+    write_result(args.out, "\n".join(lines), figures)
     return 0
 
 

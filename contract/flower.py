@@ -31,6 +31,7 @@ import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from contract.errors import EdgeflError
@@ -215,6 +216,34 @@ def why_differs(expected: Mapping[str, str], what: str) -> str | None:
         if found != digest:
             return f"{qualified} is not the code edgefl {what} (source digest {found}, expected {digest})"
     return None
+
+
+def code_key(expected: Mapping[str, str]) -> str:
+    """A key of the installed flwr code ``expected`` names, found without importing it: the version, and each named
+    function's module file as it is on disk (path, size, modification time) — for remembering ``why_differs``'s
+    answer where importing that code costs a process memory it never otherwise needs (an agent and the SuperNode's
+    database layer)."""
+    key = hashlib.sha256(INSTALLED.encode())
+    for qualified, digest in sorted(expected.items()):
+        parts = qualified.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            candidates = ("/".join(parts[:end]) + ".py", "/".join(parts[:end]) + "/__init__.py")
+            found = [path for c in candidates if (path := _installed_file(c)) is not None]
+            if found:
+                stat = found[0].stat()
+                key.update(f"{qualified}={digest}@{found[0]}/{stat.st_size}/{stat.st_mtime_ns};".encode())
+                break
+        else:
+            key.update(f"{qualified}=missing;".encode())
+    return key.hexdigest()[:24]
+
+
+def _installed_file(relative: str) -> Path | None:
+    try:
+        path = Path(str(importlib.metadata.distribution("flwr").locate_file(relative)))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
 
 
 def refuse_unless_checked(expected: Mapping[str, str], what: str) -> None:

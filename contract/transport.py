@@ -32,14 +32,16 @@ their code differs it serializes the whole message, as Flower does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from contract.flower import COUNT_SOURCE, TUNED_SOURCE, why_differs
+from contract.flower import COUNT_SOURCE, TUNED_SOURCE, code_key, why_differs
 
 if TYPE_CHECKING:
     from flwr.app import ConfigRecord, Message
@@ -76,6 +78,35 @@ def _why_differs(expected: Mapping[str, str], what: str) -> str | None:
 def why_stock() -> str | None:
     """None when Flower can be tuned here; otherwise the reason it runs stock (one line)."""
     return _why_differs(TUNED_SOURCE, "tunes")
+
+
+def remembered_transport() -> str | None:
+    """FAST or STOCK for a SuperNode here (``why_stock``) as ``remember_transport`` last found it for the installed
+    flwr code (``contract.flower.code_key``), without importing that code; None when it has not been found yet."""
+    if os.environ.get(STOCK_ENV, FAST) == STOCK:
+        return STOCK
+    with contextlib.suppress(OSError):
+        answer = _remembered().read_text().strip()
+        return answer if answer in (FAST, STOCK) else None
+    return None
+
+
+def remember_transport() -> str:
+    """FAST or STOCK for a SuperNode here (``why_stock``, which imports the SuperNode's loop), remembered on disk for
+    ``remembered_transport``."""
+    answer = STOCK if why_stock() else FAST
+    path = _remembered()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(answer + "\n")
+        os.replace(partial, path)
+    return answer
+
+
+def _remembered() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgefl"
+    return cache / f"transport-{code_key(TUNED_SOURCE)}.txt"
 
 
 @functools.cache

@@ -3,12 +3,14 @@ device exposes them (Linux thermal zones; Raspberry Pi firmware through ``vcgenc
 
 from __future__ import annotations
 
+import re
 import resource
 import shutil
 import subprocess
 from pathlib import Path
 
 THERMAL_ZONE = Path("/sys/class/thermal/thermal_zone0/temp")
+STATUS = Path("/proc/self/status")
 
 
 def cpu_temperature_c() -> float | None:
@@ -30,8 +32,13 @@ def throttled_flags() -> int | None:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak resident set size of this process: Linux's VmHWM (ru_maxrss would also count the memory of the process
+    that started this one, as it was when it forked), elsewhere ru_maxrss (KiB)."""
+    try:
+        found = re.search(r"^VmHWM:\s+(\d+) kB", STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    return int(found.group(1)) / 1024.0 if found else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def health_snapshot() -> dict[str, float | int | None]:

@@ -139,18 +139,18 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
 
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     """Fail before anything starts: the data set is installed, the model and the partition fit it, the links
-    exist, the submitter's certificate and key are there."""
+    exist, the submitter's certificate and key are there. The split is made once, here, into the partition cache
+    (``ml.data.one_partition``) that the server and the devices on this machine then read."""
     from edgefl.gateway import Submitter
     from ml.catalog import resolve_model
-    from ml.data import load_dataset
-    from ml.partition import partition_indices
+    from ml.data import load_dataset, one_partition
     from netem.fleet import devices_for, links_for
 
     if config.federation == "simulation" and importlib.util.find_spec("ray") is None:
         raise ConfigError("--federation simulation needs Ray: pip install 'flwr[simulation]==1.42.0'")
     dataset = load_dataset(config.dataset, config.data_dir or None)
     resolve_model(config.model, dataset.kind, dataset.name)
-    partition_indices(dataset, config.partition_spec, config.clients, config.seed)
+    one_partition(dataset, config.partition_spec, config.clients, config.seed, 0)
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
     devices_for(config)
@@ -160,7 +160,6 @@ def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from edgefl.launcher import run
-    from edgefl.report import load_run, plot_single, table
 
     if args.resume:  # the interrupted run's own settings
         config = dataclasses.replace(load_config(args.resume / CONFIG), out=str(args.resume))
@@ -168,6 +167,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     preflight(config)
     run_dir = run(config, resume=bool(args.resume))
+    from edgefl.report import load_run, plot_single, table  # matplotlib: after the run, not before round 1
+
     plots = plot_single(run_dir)
     summary, _ = load_run(run_dir)
     print(table([summary]))

@@ -43,7 +43,16 @@ from contract.settings import ConfigError, RunConfig, parse_address, save_config
 from edge.devices import DEVICE_PROFILES, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_server_certs
 from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
-from edgefl.processes import LaunchError, ProcessGroup, free_port, port_in_use, tail, tail_from
+from edgefl.processes import (
+    ENDED_GRACE_S,
+    GRACE_S,
+    LaunchError,
+    ProcessGroup,
+    free_port,
+    port_in_use,
+    tail,
+    tail_from,
+)
 from netem.fleet import devices_for, links_for
 from netem.testbed import Testbed
 from strategies.registry import app_of
@@ -565,7 +574,9 @@ def run_on(
         f"run {run_id}: {config.strategy} on {config.dataset} ({config.partition}), {config.clients} clients, link "
         f"{config.profile} [{config.link_backend}], devices {config.device_profile} [{config.device_backend}]"
     )
+    federation.procs.grace_s = GRACE_S  # while a run goes on, its processes may stop gracefully
     follow(config, run_dir, federation.procs, progress)
+    federation.procs.grace_s = ENDED_GRACE_S  # its results are written
     return run_dir
 
 

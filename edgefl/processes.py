@@ -24,7 +24,10 @@ from typing import NoReturn
 from contract.errors import EdgeflError
 from contract.parent import signal_on_parent_death
 
-GRACE_S = 5.0
+GRACE_S = 5.0  # between SIGTERM and SIGKILL while a run may still need what its processes hold
+ENDED_GRACE_S = 1.0  # once its results are written: what a federation's processes hold is no longer needed, and
+# a graceful exit takes seconds (Flower's SuperNode closes its Runtime API after the agent's connections, an
+# agent's interpreter unloads torch)
 
 
 def _raise_interrupt(*_: object) -> NoReturn:
@@ -123,6 +126,7 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.env = env
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.grace_s = GRACE_S  # between SIGTERM and SIGKILL in ``stop``
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> ProcessGroup:
@@ -169,7 +173,7 @@ class ProcessGroup:
     def stop(self) -> None:
         tree = process_tree([proc.pid for _, proc in self.procs])
         _signal_all(tree, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + self.grace_s
         for _, proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))

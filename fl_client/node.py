@@ -11,17 +11,26 @@ a loaded device that takes tens of seconds, and Flower fails a task that sends n
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from contract.parent import watch_parent
+from contract.transport import remembered_transport
 from fl_client.tasks import TaskServer
 
 if TYPE_CHECKING:
     from edge.agent import EdgeAgent
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+ARENAS = 2  # malloc arenas: glibc's default, 8 per core, keeps what each serving thread freed in one of its own
+TRANSPORT_CHECK = "from contract.transport import remember_transport; print(remember_transport())"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-partitions", type=int, default=1)
     parser.add_argument("--parent-pid", type=int, help="stop once this process is gone (the launcher)")
     args = parser.parse_args(argv)
+    _tune_malloc()
+    transport = remembered_transport() or subprocess.Popen(
+        [sys.executable, "-c", TRANSPORT_CHECK], stdout=subprocess.PIPE, text=True
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Runtime API request otherwise
     stop = threading.Event()
@@ -49,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     secret = args.secret_file.read_bytes() if args.secret_file else None
     tasks = TaskServer(args.runtime_api, None, secret, args.held_tasks)
     tasks.answer_abandoned_if_up()
-    agent = _agent(args)
+    agent = _agent(args, _transport(transport))
     from fl_client.app import app  # the ClientApp the agent is attached to
 
     tasks.app = app
@@ -59,20 +72,41 @@ def main(argv: list[str] | None = None) -> None:
         agent.stop()
 
 
-def _agent(args: argparse.Namespace) -> EdgeAgent:
+def _tune_malloc() -> None:
+    """glibc's malloc (elsewhere nothing) as a device needs it: at most ``ARENAS`` arenas (the task threads, their
+    object transfers and the trainer each take an arena of their own otherwise, and an arena keeps what was freed
+    in it). Large blocks stay glibc's to place: mapping every block of 64 KB and more apart kept 35 MB less of an
+    LSTM's rounds, but made each training step 2.5x the CPU (a CNN's activations mapped and faulted in anew)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_ARENA_MAX, ARENAS)
+
+
+def _transport(check: str | subprocess.Popen[str]) -> str:
+    """How this device's SuperNode moves messages (``contract.transport.why_stock``): remembered for the installed
+    flwr (``remembered_transport``), or as the child process ``check`` found it: that check imports the SuperNode's
+    loop and its database layer (~30 MB), which the agent never runs."""
+    if isinstance(check, str):
+        return check
+    out, _ = check.communicate()
+    if check.returncode != 0:
+        raise subprocess.CalledProcessError(check.returncode, check.args)
+    return out.strip()
+
+
+def _agent(args: argparse.Namespace, transport: str) -> EdgeAgent:
     """The edge agent (torch imported here, after the held tasks are answered), with the coming run's session when
     ``--job`` is given, attached to the ClientApp; ``--ready-file`` written once it is ready."""
     import os
 
     import torch
 
-    from contract.transport import why_stock
     from edge.agent import EdgeAgent
     from edge.devices import AgentThreads
     from fl_client.app import attach
 
     torch.set_num_threads(args.threads)
-    agent = EdgeAgent(args.data_dir, transport="stock" if why_stock() else "fast")
+    agent = EdgeAgent(args.data_dir, transport=transport)
     if args.job:
         agent.session_for(args.job.read_text(), args.partition_id, args.num_partitions, run_id=None)
     attach(agent)

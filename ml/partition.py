@@ -19,7 +19,7 @@ from flwr_datasets.partitioner import (
     PathologicalPartitioner,
 )
 
-from ml.rows import DataError, Dataset, one_line
+from ml.rows import DataError, Dataset, check_split, one_line
 from strategies.spec import Spec, label
 
 _DIRICHLET_MIN_PARTITION_SIZE = 10
@@ -36,14 +36,7 @@ def partition_indices(dataset: Dataset, spec: Spec, num_partitions: int, seed: i
     """
     kind, param, scheme = spec.name, spec.value or 0.0, label(spec.name, spec.value)
     num_samples = len(dataset.y_train)
-    if num_partitions < 1:
-        raise DataError(f"number of partitions must be at least 1, got {num_partitions}")
-    if num_partitions > num_samples:
-        raise DataError(f"{num_partitions} partitions but {dataset.name} has only {num_samples} training samples")
-    if kind == "pathological" and param > dataset.num_classes:
-        raise DataError(f"{scheme!r}: K must be at most {dataset.num_classes}, the classes of {dataset.name}")
-    if kind == "natural" and dataset.natural_ids is None:
-        raise DataError(f"{dataset.name} has no natural owner ids; the natural scheme needs e.g. shakespeare")
+    check_split(dataset, spec, num_partitions)
     try:
         if kind == "natural":
             return _natural_partitions(dataset.natural_ids, num_partitions, seed)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from contract.errors import EdgeflError
+from strategies.spec import Spec, label
 
 
 class DataError(EdgeflError):
@@ -61,3 +62,19 @@ class Dataset:
 def one_line(err: Exception) -> str:
     """An exception's message with its whitespace (newlines included) collapsed to single spaces."""
     return " ".join(str(err).split())
+
+
+def check_split(dataset: Dataset, spec: Spec, num_partitions: int) -> None:
+    """Refuse a split of ``dataset`` by ``spec`` into ``num_partitions`` that cannot be made, before it is tried
+    (the split itself runs where flwr-datasets is imported: a child process, ``ml.data.one_partition``)."""
+    scheme = label(spec.name, spec.value)
+    if num_partitions < 1:
+        raise DataError(f"number of partitions must be at least 1, got {num_partitions}")
+    if num_partitions > len(dataset.y_train):
+        raise DataError(
+            f"{num_partitions} partitions but {dataset.name} has only {len(dataset.y_train)} training samples"
+        )
+    if spec.name == "pathological" and (spec.value or 0.0) > dataset.num_classes:
+        raise DataError(f"{scheme!r}: K must be at most {dataset.num_classes}, the classes of {dataset.name}")
+    if spec.name == "natural" and dataset.natural_ids is None:
+        raise DataError(f"{dataset.name} has no natural owner ids; the natural scheme needs e.g. shakespeare")

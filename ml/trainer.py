@@ -1,6 +1,6 @@
-"""Local training and evaluation on the device: minibatch SGD through torch's own optimizer, whose state
-(momentum) lives as long as the trainer, across rounds, on the objective the run's strategy gives
-(``strategies.strategy.LocalObjective``: FedProx's proximal term, SCAFFOLD's correction)."""
+"""Local training and evaluation on the device: minibatch SGD (``SGD``: torch's own update, without
+``torch.optim``), whose state (momentum) lives as long as the trainer, across rounds, on the objective the run's
+strategy gives (``strategies.strategy.LocalObjective``: FedProx's proximal term, SCAFFOLD's correction)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,38 @@ def scheduled_lr(base: float, schedule: str, round_: int, rounds: int) -> float:
     return base
 
 
+class SGD:
+    """SGD with momentum, the update of ``torch.optim.SGD`` on the CPU (its single-tensor path, op for op, so the
+    parameters come out bit for bit the same): v ← g the first step, v ← m·v + g after it; w ← w − η·v.
+    ``torch.optim``'s optimizers import ``torch._dynamo`` when they are made and on every step (~70 MB of a
+    device's memory, for a compiler the agent never uses); this one does not."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float, momentum: float) -> None:
+        self.params = params
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: list[torch.Tensor | None] = [None] * len(params)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if self.momentum != 0.0:
+                buf = self.buffers[i]
+                if buf is None:
+                    buf = self.buffers[i] = grad.detach().clone()
+                else:
+                    buf.mul_(self.momentum).add_(grad)
+                grad = buf
+            p.add_(grad, alpha=-self.lr)
+
+
 class LocalTrainer:
     """K local steps at a time over one client's partition, reshuffled (seeded) every epoch."""
 
@@ -44,7 +76,7 @@ class LocalTrainer:
         self.model = model
         self.attach(x, y)
         self.batch_size = min(batch_size, len(y))
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        self.optimizer = SGD(list(model.parameters()), lr, momentum)
         self._rng = np.random.default_rng(seed)
         self._order = self._rng.permutation(len(y))
         self._pos = 0
@@ -64,8 +96,7 @@ class LocalTrainer:
         return torch.from_numpy(self.x[idx]), self.y[torch.from_numpy(idx)]
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.lr = lr
 
     def train_steps(self, steps: int, objective: LocalObjective = PLAIN) -> float:
         """Run ``steps`` optimizer steps, each on the data's loss plus ``objective``'s terms (added to the
@@ -75,7 +106,7 @@ class LocalTrainer:
         total = 0.0
         for _ in range(steps):
             xb, yb = self._next_batch()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             loss = self._loss(self.model(xb), yb)
             loss.backward()
             if terms is not None:

@@ -1,15 +1,25 @@
-"""Shared helpers: run the real ``edgefl`` command, and find processes a run left behind."""
+"""Shared helpers: run the real ``edgefl`` command (in a fresh interpreter, or in this one through
+``edgefl.cli.main``), wait for a run's rows, and find processes a run left behind.
+
+Tests that start a deployment, a simulation or a Flower process are marked ``federation``; the rest, the fast
+tier, run with ``pytest -m "not federation"``."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from contract.run_folder import SUMMARY, read_rounds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,6 +34,33 @@ def edgefl(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedPr
         cwd=REPO,
         **kwargs,
     )
+
+
+@pytest.fixture
+def edgefl_main(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``edgefl ARGS`` in this process, through ``edgefl.cli.main(argv)``: what the command prints and returns, as
+    ``edgefl`` gives it from a fresh interpreter (argparse's own errors exit 2 there too). For bad input, which
+    fails before anything starts; one case per kind stays a subprocess, as a user types it (``edgefl``)."""
+    from edgefl.cli import main
+
+    monkeypatch.chdir(REPO)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # main() installs its own
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        try:
+            code = main([str(arg) for arg in args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["edgefl", *args], code, out, err)
+
+    return run
 
 
 def processes_of(run_dir: Path) -> list[str]:
@@ -65,15 +102,150 @@ def run_dir(tmp_path: Path) -> Path:
     assert not left, f"processes left running: {left}"
 
 
+class SharedFederation:
+    """A local federation (SuperLink, agents, SuperNodes; over ``profile``'s testbed unless loopback) that
+    consecutive tests submit their runs to, one after another, as ``edgefl compare`` does: for tests that assert on
+    a run's own folder, not on the devices' processes or logs (which every run on it shares)."""
+
+    def __init__(self, clients: int, profile: str, home: Path) -> None:
+        from contract.settings import build_config
+        from edgefl.launcher import local_federation
+
+        self.home = home
+        self.testbed_before = testbed_devices() if profile != "loopback" else None
+        self.stack = contextlib.ExitStack()
+        config = build_config(dataset="digits", partition="iid", clients=clients, profile=profile, out=str(home))
+        self.federation = self.stack.enter_context(local_federation(config, home, lambda line: None))
+
+    def submit(self, run_dir: Path, **settings):
+        """Submit the run ``settings`` (``build_config``'s keywords; digits, the federation's clients and links) to
+        run in ``run_dir``, checked first as ``edgefl run`` does; returns its ``RunConfig``. ``follow`` waits for
+        its end."""
+        from contract.run_folder import CONFIG
+        from contract.settings import build_config, save_config
+        from edgefl.cli import preflight
+        from edgefl.launcher import prepare_run_dir
+
+        started = self.federation.config
+        settings = {"dataset": "digits", "clients": started.clients, "profile": started.profile, **settings}
+        config = build_config(**settings, out=str(run_dir))
+        preflight(config)
+        prepare_run_dir(config)
+        config = dataclasses.replace(
+            config, link_backend=started.link_backend, device_backend=started.device_backend
+        )  # as ``edgefl.launcher.run_on`` records them
+        save_config(config, run_dir / CONFIG)
+        self.federation.submit(config, run_dir)
+        self.federation.place_devices()
+        return config
+
+    def follow(self, config) -> Path:
+        """Until the run of ``config`` ends; returns its folder."""
+        from edgefl.launcher import follow
+
+        follow(config, Path(config.out), self.federation.procs, lambda line: None)
+        return Path(config.out)
+
+    def run(self, run_dir: Path, **settings) -> Path:
+        """``submit`` then ``follow``: the run, to its end."""
+        return self.follow(self.submit(run_dir, **settings))
+
+    def close(self) -> None:
+        self.stack.close()
+        left = processes_of(self.home)
+        for line in left:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        assert not left, f"processes left running: {left}"
+        if self.testbed_before is not None:
+            assert testbed_devices() == self.testbed_before, "namespaces or host devices left behind"
+
+
+def testbed_devices() -> tuple[set[str], set[str]]:
+    """The testbeds' network namespaces, and their devices (veths, TUNs, ifbs, with their qdiscs) on the host."""
+    from pyroute2 import IPRoute, netns
+
+    with IPRoute() as ip:
+        links = {name for link in ip.get_links() if (name := link.get_attr("IFLA_IFNAME")).startswith("efl")}
+    return {name for name in netns.listnetns() if name.startswith("efl-")}, links
+
+
+_shared: dict[tuple[int, str], SharedFederation] = {}  # one at a time
+
+
+def _close_shared() -> None:
+    while _shared:
+        _shared.popitem()[1].close()
+
+
+@pytest.fixture
+def shared_federation(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., SharedFederation]:
+    """``shared_federation(clients, profile="loopback")``: a running ``SharedFederation``, started by the first
+    test that asks for it and kept for the next test while that one asks for it too; stopped (and found to leave
+    nothing running) after the last, or after a test that failed (one of its runs may still go on)."""
+
+    def get(clients: int, profile: str = "loopback") -> SharedFederation:
+        if (clients, profile) not in _shared:
+            _close_shared()
+            home = tmp_path_factory.mktemp(f"federation-{clients}-{profile}")
+            _shared[clients, profile] = SharedFederation(clients, profile, home)
+        return _shared[clients, profile]
+
+    return get
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A shared federation lives only while consecutive tests use it (no idle processes beside other tests), and
+    not past a failed test."""
+    shared_next = nextitem is not None and "shared_federation" in getattr(nextitem, "fixturenames", ())
+    if not shared_next or item.stash.get(_FAILED, False):
+        _close_shared()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _close_shared()
+
+
 def start_edgefl(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
-def wait_for_first_round(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float = 180) -> None:
-    """Until rounds.jsonl has a row: the federation is up and every client has contributed once."""
-    rounds = run_dir / "rounds.jsonl"
+def rows_so_far(run_dir: Path) -> list[dict]:
+    """rounds.jsonl as far as it is written (a row being appended is read on the next poll)."""
+    with contextlib.suppress(json.JSONDecodeError):
+        return read_rounds(run_dir)
+    return []
+
+
+def wait_for_rows(
+    run_dir: Path,
+    ready: int | Callable[[list[dict]], bool] = 1,
+    what: str = "",
+    timeout_s: float = 180,
+    proc: subprocess.Popen[str] | None = None,
+) -> list[dict]:
+    """Until the run's rows (``rows_so_far``) hold ``ready`` rows, or satisfy ``ready``; returns them. Fails as
+    soon as the run ended (its summary, or ``proc`` exited) or the time ran out, with the rows so far."""
+    if isinstance(ready, int):
+        count, what = ready, what or f"{ready} rows"
+        ready = lambda rows: len(rows) >= count  # noqa: E731
     deadline = time.monotonic() + timeout_s
-    while not (rounds.exists() and rounds.read_text().strip()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    while not ready(rows := rows_so_far(run_dir)):
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"{what}: the run exited {proc.returncode} first; rows {rows}\n{out}{err}")
+        assert not (run_dir / SUMMARY).exists(), f"{what}: the run ended first; rows {rows}"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s; rows {rows}"
+        time.sleep(0.1)
+    return rows

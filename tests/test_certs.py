@@ -87,8 +87,10 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[str, ServerCerts]]:
     thread.start()
     yield f"127.0.0.1:{listener.getsockname()[1]}", certs
     stop.set()
+    listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() it waits in (close() alone does not, on Linux)
     listener.close()
     thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_reach_superlink_verifies_the_server_certificate(tls_server: tuple[str, ServerCerts], tmp_path: Path) -> None:

@@ -1,4 +1,7 @@
-"""Bad input to ``edgefl run``: one clear line on stderr, exit code 2, no traceback, nothing left running."""
+"""Bad input to ``edgefl run``: one clear line on stderr, exit code 2, no traceback, nothing left running.
+
+Each case runs in this process through ``edgefl.cli.main`` (the ``edgefl_main`` fixture); the malformed config file runs
+as a user types it, in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ from tests.conftest import edgefl, processes_of
 BASE = ["run", "--dataset", "digits", "--partition", "iid", "--clients", "2", "--rounds", "1"]
 
 
-def _fails_cleanly(args: list[str], needle: str, run_dir: Path) -> None:
-    done = edgefl(*args, "--out", str(run_dir), timeout=180)
+def _fails_cleanly(args: list[str], needle: str, run_dir: Path, edgefl=edgefl) -> None:
+    done = edgefl(*args, "--out", str(run_dir))
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("edgefl: error: "), done.stderr
@@ -39,27 +42,31 @@ def _fails_cleanly(args: list[str], needle: str, run_dir: Path) -> None:
         (["--eval-every", "0"], "eval-every must be at least 1"),
     ],
 )
-def test_bad_settings(change: list[str], needle: str, run_dir: Path) -> None:
-    _fails_cleanly([*BASE, *change], needle, run_dir)
+def test_bad_settings(change: list[str], needle: str, run_dir: Path, edgefl_main) -> None:
+    _fails_cleanly([*BASE, *change], needle, run_dir, edgefl_main)
 
 
 def test_malformed_config_file(tmp_path: Path, run_dir: Path) -> None:
+    """As a user types it: ``python -m edgefl.cli`` in a fresh interpreter."""
     bad = tmp_path / "bad.toml"
     bad.write_text("rounds = = 3\n")
     _fails_cleanly([*BASE, "--config", str(bad)], "not valid TOML", run_dir)
 
 
-def test_port_in_use(run_dir: Path) -> None:
+def test_port_in_use(run_dir: Path, edgefl_main) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        _fails_cleanly([*BASE, "--port", str(port)], f"port {port} is in use", run_dir)
+        _fails_cleanly([*BASE, "--port", str(port)], f"port {port} is in use", run_dir, edgefl_main)
 
 
-def test_a_missing_submitter_certificate_is_refused_before_anything_starts(tmp_path: Path, run_dir: Path) -> None:
+def test_a_missing_submitter_certificate_is_refused_before_anything_starts(
+    tmp_path: Path, run_dir: Path, edgefl_main
+) -> None:
     root = tmp_path / "ca.pem"
     root.write_text("not checked before the submitter's certificate\n")
     missing = tmp_path / "submitter-0.pem"
     remote = ["--federation", "remote", "--server", "127.0.0.1:9", "--root-cert", str(root)]
-    _fails_cleanly([*BASE, *remote, "--submitter-cert", str(missing)], f"{missing} does not exist", run_dir)
+    args = [*BASE, *remote, "--submitter-cert", str(missing)]
+    _fails_cleanly(args, f"{missing} does not exist", run_dir, edgefl_main)

@@ -11,20 +11,16 @@ import pytest
 from ml.data import load_dataset
 from ml.models import build_model
 from strategies.codecs import dense_payload_size
-from tests.conftest import edgefl
 
 pytestmark = pytest.mark.federation
 
 
-def test_compressed_both_ways_cuts_the_uplink_and_the_downlink(tmp_path: Path) -> None:
+def test_compressed_both_ways_cuts_the_uplink_and_the_downlink(tmp_path: Path, shared_federation) -> None:
     """top-k 5 % up and int8 deltas down. Up: 5 % of the entries as (uint16 index, fp16 value) plus headers and
     Flower's per-message overhead, against the dense float32 update. Down: after the first round (every client
     gets the model dense once) each round is a fraction of what the dense model alone would cost."""
     out = tmp_path / "both"
-    done = edgefl("run", "--dataset", "digits", "--partition", "iid", "--clients", "2", "--rounds", "4",
-                  "--local-steps", "10", "--compress", "topk:0.05", "--compress-down", "int8",
-                  "--out", str(out))  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    shared_federation(2).run(out, partition="iid", rounds=4, local_steps=10, compress="topk:0.05", compress_down="int8")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["compress"] == "topk:0.05" and summary["rejected_updates"] == 0
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]

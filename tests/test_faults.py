@@ -39,7 +39,7 @@ from edgefl.launcher import (
     prepare_run_dir,
     supernode_argv,
 )
-from edgefl.processes import ProcessGroup, tail
+from edgefl.processes import LaunchError, ProcessGroup, tail
 from fl_client.tasks import ABANDONED
 from netem.profiles import LinkProfile
 from netem.testbed import Testbed
@@ -48,7 +48,7 @@ from strategies.codecs import make_client_codec, parse_codec
 from strategies.dga import DGAServer
 from strategies.downlink import model_digest
 from strategies.rounds import MAX_FAILED_REPLIES, RoundEngine, Update
-from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_first_round
+from tests.conftest import edgefl, processes_of, rows_so_far, start_edgefl, wait_for_rows
 
 LAYOUT = (("w", (2,)),)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -219,23 +219,6 @@ def test_malformed_fault_commands_are_refused(wire, command: str) -> None:
 FAST = {"dataset": "digits", "partition": "iid", "local_steps": 5}
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    """rounds.jsonl as far as it is written (a row being appended is read on the next poll)."""
-    try:
-        return read_rounds(run_dir)
-    except json.JSONDecodeError:
-        return []
-
-
-def wait_for_rows(run_dir: Path, ready: Callable[[list[dict]], bool], what: str, timeout_s: float = 180) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while not ready(rows := _rows(run_dir)):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s; rows {rows}"
-        assert not (run_dir / "summary.json").exists(), f"{what}: the run ended first; rows {rows}"
-        time.sleep(0.2)
-    return rows
-
-
 def _efl_namespaces() -> set[str]:
     """The namespaces of this process's testbeds (``edgefl.launcher.placement_for``'s tag): another process's
     testbed, on a machine shared with other runs, is not ours to count."""
@@ -279,9 +262,11 @@ def clean_testbed() -> Iterator[None]:
     assert _efl_host_links() == links, "devices left behind on the host"
 
 
+TESTBED = {**FAST, "strategy": "dga:1", "clients": 3, "quorum": 0.6, "round_deadline_s": 8.0}  # over home-wifi
+
+
 def _testbed_config(run_dir: Path, **settings) -> RunConfig:
-    values = {**FAST, "strategy": "dga:1", "clients": 3, "quorum": 0.6, "round_deadline_s": 8.0, **settings}
-    return build_config(**values, profile="home-wifi", out=str(run_dir))
+    return build_config(**{**TESTBED, **settings}, profile="home-wifi", out=str(run_dir))
 
 
 def _wait_ready(agent: subprocess.Popen[bytes], ready: Path) -> None:
@@ -339,7 +324,7 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
         for proc in killed.values():
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        killed_after = len(_rows(run_dir))
+        killed_after = len(rows_so_far(run_dir))
         # Its device starts the agent again at once (same namespace, port and held tasks) as ``edgefl client``
         # does: without the launcher's preload of the coming run (its data loads with its first message). Its
         # start-up (tens of seconds on a loaded host) must end within Flower's 60 s task expiry for it to answer
@@ -355,10 +340,10 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
             ),
             "a quorum without clients 2 and 3",
         )
-        restarted_after = len(_rows(run_dir))
+        restarted_after = len(rows_so_far(run_dir))
         procs.start("supernode-restarted", killed["supernode"].args)
         _wait_ready(agent, ready)
-        ready_after = len(_rows(run_dir))
+        ready_after = len(rows_so_far(run_dir))
         with _logs_on_failure(procs.log_dir, "agent-restarted", "supernode-3", "supernode-restarted"):
             wait_for_rows(
                 run_dir, lambda rows: any(_trained(r, 3) for r in rows[ready_after:]), "client 3 back", COMEBACK_S
@@ -383,36 +368,39 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
 @pytest.mark.federation
 @pytest.mark.root
 @needs_root
-def test_a_client_whose_link_is_down_for_20_s_rejoins(run_dir: Path, clean_testbed: None) -> None:
-    config = _testbed_config(run_dir, rounds=24)
-    with federation(config) as (testbed, procs, run_dir):
-        wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
-        testbed.set_link_up(1, False)
-        down_at, down_after = time.monotonic(), len(_rows(run_dir))
-        # The outage lasts 20 s and at least one round closes without client 1 meanwhile.
-        wait_for_rows(
-            run_dir,
-            lambda rows: time.monotonic() - down_at >= 20 and any(1 not in r["clients"] for r in rows[down_after:]),
-            "20 s without client 1",
-        )
-        testbed.set_link_up(1, True)
-        up_after = len(_rows(run_dir))
-        wait_for_rows(run_dir, lambda rows: any(1 in r["clients"] for r in rows[up_after:]), "client 1 back", 120)
-        rows = _finish(config, procs, run_dir)
+def test_a_client_whose_link_is_down_for_20_s_rejoins(run_dir: Path, shared_federation) -> None:
+    """On the testbed federation the next test submits its run to too (``SharedFederation``)."""
+    shared = shared_federation(3, "home-wifi")
+    testbed, procs = shared.federation.place.testbed, shared.federation.procs
+    config = shared.submit(run_dir, **TESTBED, rounds=24)
+    wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
+    testbed.set_link_up(1, False)
+    down_at, down_after = time.monotonic(), len(rows_so_far(run_dir))
+    # The outage lasts 20 s and at least one round closes without client 1 meanwhile.
+    wait_for_rows(
+        run_dir,
+        lambda rows: time.monotonic() - down_at >= 20 and any(1 not in r["clients"] for r in rows[down_after:]),
+        "20 s without client 1",
+    )
+    testbed.set_link_up(1, True)
+    up_after = len(rows_so_far(run_dir))
+    wait_for_rows(run_dir, lambda rows: any(1 in r["clients"] for r in rows[up_after:]), "client 1 back", 120)
+    rows = _finish(config, procs, run_dir)
     assert any(1 not in r["clients"] for r in rows[down_after:up_after])
 
 
 @pytest.mark.federation
 @pytest.mark.root
 @needs_root
-def test_a_loss_burst_and_a_stall_slow_their_client_not_the_run(run_dir: Path, clean_testbed: None) -> None:
-    config = _testbed_config(run_dir, rounds=12)
-    with federation(config) as (testbed, procs, run_dir):
-        before = wait_for_rows(run_dir, lambda rows: len(rows) >= 3, "round 3")
-        testbed.loss_burst(0, 20, seconds=15)
-        testbed.stall(1, seconds=5)
-        burst_after = len(before)
-        rows = _finish(config, procs, run_dir)
+def test_a_loss_burst_and_a_stall_slow_their_client_not_the_run(run_dir: Path, shared_federation) -> None:
+    shared = shared_federation(3, "home-wifi")
+    testbed, procs = shared.federation.place.testbed, shared.federation.procs
+    config = shared.submit(run_dir, **TESTBED, rounds=12)
+    before = wait_for_rows(run_dir, lambda rows: len(rows) >= 3, "round 3")
+    testbed.loss_burst(0, 20, seconds=15)
+    testbed.stall(1, seconds=5)
+    burst_after = len(before)
+    rows = _finish(config, procs, run_dir)
     walls = [r["wall_s"] for r in rows]
     normal_gap = max(np.diff(walls[:burst_after]))
     burst_gaps = np.diff(walls[burst_after - 1 :])
@@ -453,31 +441,54 @@ def test_a_run_trains_exactly_its_partitions_and_keeps_a_second_claim_as_a_spare
     assert refusal in (run_dir / "logs" / "agent-odd.log").read_text()
 
 
-# ----- the server killed and resumed ----------------------------------------------------------------------
-def _kill_everything(launcher, run_dir: Path) -> None:
-    """kill -9 the launcher and every process of the run, as a power cut would; wait until they are gone."""
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait()
-    victims = [int(line.split()[0]) for line in processes_of(run_dir)]
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while processes_of(run_dir):
-        assert time.monotonic() < deadline, processes_of(run_dir)
-        time.sleep(0.1)
+# ----- the launcher killed, and the run resumed -------------------------------------------------------------
+@dataclasses.dataclass
+class KilledRun:
+    run_dir: Path
+    rounds: int
+    running: list[str]  # the run's processes just before its launcher was killed
+    left: list[str]  # those still running 20 s after it
 
 
-@pytest.mark.federation
-def test_a_server_killed_mid_run_resumes_from_its_checkpoint(run_dir: Path) -> None:
-    rounds = 40
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledRun]:
+    """kill -9 of ``edgefl run`` mid-run (what an OOM kill or a power cut of the launcher does), once round 3's row
+    is written; then, for 20 s, which of its processes still run. The two tests below read this one run: that
+    nothing outlives the launcher, and that ``--resume`` goes on from its checkpoint."""
+    run_dir, rounds = tmp_path_factory.mktemp("killed") / "run", 12
     args = ["--strategy", "dga:1", "--dataset", "digits", "--partition", "iid", "--clients", "2",
             "--rounds", str(rounds), "--local-steps", "5", "--eval-examples", "100"]  # fmt: skip
     launcher = start_edgefl("run", *args, "--out", str(run_dir))
     try:
-        wait_for_rows(run_dir, lambda rows: len(rows) >= 3, "round 3")
+        wait_for_rows(run_dir, 3, "round 3", proc=launcher)
+        running = processes_of(run_dir)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while (left := processes_of(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
-        _kill_everything(launcher, run_dir)
+        launcher.kill()
+        launcher.wait()
+        for line in processes_of(run_dir):  # what outlived it (the test below fails then): as a power cut would
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+    yield KilledRun(run_dir, rounds, running, left)
+    assert not processes_of(run_dir)
+
+
+@pytest.mark.federation
+def test_a_launcher_killed_with_sigkill_leaves_nothing_running(killed_run: KilledRun) -> None:
+    """Every process of its federation — SuperLink, SuperExec, ServerApp, both agents and both SuperNodes — ends
+    within 20 s of ``edgefl run``'s kill -9 (each is signalled by the kernel or watches its launcher's PID; Flower's
+    own processes follow the process that started them)."""
+    assert len(killed_run.running) >= 7, killed_run.running
+    assert not killed_run.left, f"still running 20 s after the launcher was killed: {killed_run.left}"
+
+
+@pytest.mark.federation
+def test_a_server_killed_mid_run_resumes_from_its_checkpoint(killed_run: KilledRun) -> None:
+    run_dir, rounds = killed_run.run_dir, killed_run.rounds
     checkpoint = RunFolder(run_dir).read_checkpoint()
     assert 3 <= checkpoint.round < rounds
     done = edgefl("run", "--resume", str(run_dir))
@@ -496,48 +507,26 @@ def test_a_server_killed_mid_run_resumes_from_its_checkpoint(run_dir: Path) -> N
     assert rows[checkpoint.round]["wall_s"] > rows[checkpoint.round - 1]["wall_s"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == rounds and summary["final_accuracy"] == rows[-1]["test_accuracy"]
+    assert not processes_of(run_dir)
 
 
 @pytest.mark.federation
-def test_a_launcher_killed_with_sigkill_leaves_nothing_running(run_dir: Path) -> None:
-    """kill -9 of ``edgefl run`` mid-run (what an OOM kill does): every process of its federation — SuperLink,
-    SuperExec, ServerApp, both agents and both SuperNodes — ends within 20 s (each is signalled by the kernel or
-    watches its launcher's PID; Flower's own processes follow the process that started them)."""
-    args = ["--dataset", "digits", "--partition", "iid", "--clients", "2", "--rounds", "500", "--local-steps", "5",
-            "--eval-examples", "100"]  # fmt: skip
-    launcher = start_edgefl("run", *args, "--out", str(run_dir))
-    try:
-        wait_for_first_round(launcher, run_dir)
-        running = processes_of(run_dir)
-        assert len(running) >= 7, running
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 20
-        while left := processes_of(run_dir):
-            assert time.monotonic() < deadline, f"still running 20 s after the launcher was killed: {left}"
-            time.sleep(0.2)
-    finally:
-        launcher.kill()
-        launcher.wait()
+def test_a_run_whose_training_diverges_on_every_client_stops_with_the_reason(run_dir: Path, shared_federation) -> None:
+    """Resending the global model cannot help a client whose training gives NaN: the run ends, with one line (the
+    one ``edgefl run`` prints after ``edgefl: error:``)."""
+    with pytest.raises(LaunchError) as stopped:
+        shared_federation(2).run(run_dir, partition="iid", rounds=5, local_steps=5, lr=1e30, eval_examples=100)
+    reason = str(stopped.value)
+    assert "cannot close" in reason and "NaN or Inf" in reason, reason
+    assert len(reason.strip().splitlines()) == 1, reason
 
 
-@pytest.mark.federation
-def test_a_run_whose_training_diverges_on_every_client_stops_with_the_reason(run_dir: Path) -> None:
-    """Resending the global model cannot help a client whose training gives NaN: the run ends, with one line."""
-    args = ["--dataset", "digits", "--partition", "iid", "--clients", "2", "--rounds", "5", "--local-steps", "5",
-            "--lr", "1e30", "--eval-examples", "100"]  # fmt: skip
-    done = edgefl("run", *args, "--out", str(run_dir))
-    assert done.returncode != 0, done.stdout
-    assert "cannot close" in done.stderr and "NaN or Inf" in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
-
-
-def test_resume_needs_an_unfinished_run_with_a_checkpoint(tmp_path: Path) -> None:
+def test_resume_needs_an_unfinished_run_with_a_checkpoint(tmp_path: Path, edgefl_main) -> None:
     run = tmp_path / "run"
     run.mkdir()
     save_config(build_config(**FAST, out=str(run)), run / "config.toml")
-    done = edgefl("run", "--resume", str(run))
+    done = edgefl_main("run", "--resume", str(run))
     assert done.returncode == 2 and "nothing to resume" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
-    done = edgefl("run", "--resume", str(tmp_path / "missing"))
+    done = edgefl_main("run", "--resume", str(tmp_path / "missing"))
     assert done.returncode == 2 and "does not exist" in done.stderr

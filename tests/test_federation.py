@@ -24,7 +24,7 @@ from fl_client.tasks import TaskTiming
 from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, set_flat_params
 from ml.partition import partition_indices
-from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_first_round
+from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_rows
 
 pytestmark = pytest.mark.federation
 
@@ -109,10 +109,9 @@ def fedavg_3_rounds() -> np.ndarray:
     return _fedavg_written_here(rounds=3, steps=5, lr=0.05, momentum=0.9, seed=3)
 
 
-def test_dga_with_zero_delay_is_fedavg_in_the_deployment(run_dir: Path) -> None:
-    args = [*FAST, "--rounds", "3", "--strategy", "dga:0", "--eval-examples", "100"]
-    done = edgefl("run", *args, "--out", str(run_dir))
-    assert done.returncode == 0, done.stderr
+def test_dga_with_zero_delay_is_fedavg_in_the_deployment(run_dir: Path, shared_federation) -> None:
+    settings = {"partition": "iid", "local_steps": 5, "seed": 3, "eval_examples": 100}  # FAST's
+    shared_federation(2).run(run_dir, **settings, rounds=3, strategy="dga:0")
     np.testing.assert_allclose(RunFolder(run_dir).read_checkpoint().params, fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
 
 
@@ -149,7 +148,7 @@ def test_a_failed_evaluation_stops_the_run_in_one_line_and_keeps_the_checkpoint(
     """A round's row and checkpoint are written by the evaluation thread: when that fails (here the checkpoint's
     temporary file cannot be written), the run stops with the error instead of going on without its rows."""
     proc = start_edgefl("run", *FAST, "--rounds", "200", "--eval-examples", "100", "--out", str(run_dir))
-    wait_for_first_round(proc, run_dir)
+    wait_for_rows(run_dir, 1, "round 1", proc=proc)
     while not (run_dir / "checkpoint.npz").exists():  # round 1's is written right after its row
         assert proc.poll() is None
         time.sleep(0.05)
@@ -165,7 +164,7 @@ def test_a_failed_evaluation_stops_the_run_in_one_line_and_keeps_the_checkpoint(
 
 def test_ctrl_c_stops_every_process(run_dir: Path) -> None:
     proc = start_edgefl("run", *FAST, "--rounds", "200", "--out", str(run_dir))
-    wait_for_first_round(proc, run_dir)
+    wait_for_rows(run_dir, 1, "round 1", proc=proc)
     assert processes_of(run_dir)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

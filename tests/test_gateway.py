@@ -47,6 +47,8 @@ def _probe(bed: Testbed, port: int, path: str, ca: Path | None, cert: Path | Non
     return done.stdout.strip()
 
 
+@pytest.mark.federation
+@pytest.mark.root
 @needs_root
 def test_a_stranger_reaches_only_the_fleet_api_and_a_submitter_gets_in(tmp_path: Path) -> None:
     certs, port = tmp_path / "certs", free_port()

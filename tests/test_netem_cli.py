@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import edgefl
-
 
 @pytest.mark.parametrize(
     ("args", "needle"),
@@ -17,8 +15,8 @@ from tests.conftest import edgefl
         (["--client", "10.0.0.7=lan"], "efl-no-such-dev"),  # valid request, missing interface: untouched
     ],
 )
-def test_apply_per_client_bad_input(args: list[str], needle: str) -> None:
-    done = edgefl("netem", "apply", "--dev", "efl-no-such-dev", *args, timeout=60)
+def test_apply_per_client_bad_input(args: list[str], needle: str, edgefl_main) -> None:
+    done = edgefl_main("netem", "apply", "--dev", "efl-no-such-dev", *args)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in done.stderr

@@ -29,8 +29,10 @@ pytestmark = pytest.mark.federation
 CLAIM = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[NodeRuntime]:
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeRuntime]:
+    """One SuperNode that the tests below only ask (none changes what it holds): started once for the module."""
+    tmp_path = tmp_path_factory.mktemp("node")
     runtime = NodeRuntime.create(tmp_path, "node")
     nowhere = f"127.0.0.1:{free_port()}"  # the SuperNode retries it; its Runtime API is up meanwhile
     argv = supernode_argv(nowhere, None, "partition-id=0 num-partitions=1", serve=runtime)

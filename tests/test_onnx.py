@@ -26,7 +26,6 @@ from ml.data import CHAR_VOCAB, SEQ_LEN, DataError, Dataset, Rows, encode_chars,
 from ml.models import ModelError, build_model, get_flat_params
 from ml.onnx import OnnxClassifier, export_onnx, quantize_int8
 from ml.trainer import LocalTrainer, evaluate
-from tests.conftest import edgefl
 
 TEXT_TRAIN, TEXT_TEST = 3000, 600  # rows of the text set used here, to keep the LSTM fast
 
@@ -129,8 +128,8 @@ def test_bench_loads_a_run_folder(digits_cnn: BenchTarget, tmp_path: Path) -> No
     assert all(r.latency_p50_ms <= r.latency_p95_ms and r.throughput > 0 for r in report.results)
 
 
-def test_bench_command_prints_the_table() -> None:
-    done = edgefl("edge", "bench", "digits", "--seconds", "1", timeout=300)
+def test_bench_command_prints_the_table(edgefl_main) -> None:
+    done = edgefl_main("edge", "bench", "digits", "--seconds", "0.3")
     assert done.returncode == 0, done.stdout + done.stderr
     for backend in ("torch eager", "onnxruntime fp32", "onnxruntime int8"):
         assert backend in done.stdout
@@ -152,8 +151,8 @@ def test_bench_rejects_what_it_cannot_load(model: str, needle: str, tmp_path: Pa
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
-def test_bench_command_bad_input_is_one_line_and_exit_2() -> None:
-    done = edgefl("edge", "bench", "no/such/run", timeout=300)
+def test_bench_command_bad_input_is_one_line_and_exit_2(edgefl_main) -> None:
+    done = edgefl_main("edge", "bench", "no/such/run")
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert lines == ["edgefl: error: no/such/run is not a run folder: no such folder"], done.stderr

@@ -84,7 +84,7 @@ def test_a_process_a_group_started_is_signalled_when_its_launcher_is_killed(tmp_
         launcher.wait()
 
 
-@pytest.mark.parametrize("process", ["agent", "supernode"])
+@pytest.mark.parametrize("process", ["agent", pytest.param("supernode", marks=pytest.mark.federation)])
 def test_the_agent_and_the_supernode_stop_once_their_launcher_is_gone(
     process: str, tmp_path: Path, parent: subprocess.Popen[bytes]
 ) -> None:

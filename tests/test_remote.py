@@ -86,9 +86,11 @@ def _start_server(certs: Path, port: int, out: Path) -> tuple[Command, str, str]
 
 
 @pytest.mark.federation
-def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_refused(tmp_path: Path) -> None:
+def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_refused(
+    tmp_path: Path, edgefl_main
+) -> None:
     certs, port = tmp_path / "certs", free_port()
-    assert edgefl("certs", "--out", str(certs), "--node-keys", "3", "--submitters", "1").returncode == 0
+    assert edgefl_main("certs", "--out", str(certs), "--node-keys", "3", "--submitters", "1").returncode == 0
     server_dir = tmp_path / "server"
     server, join_line, submit_line = _start_server(certs, port, server_dir)
     clients = []
@@ -140,23 +142,24 @@ def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_ref
 
 
 @pytest.mark.federation
-def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path) -> None:
+def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path, edgefl_main) -> None:
+    """The server as a user starts it; the refused commands in this process (``edgefl.cli.main``)."""
     certs, other, port = tmp_path / "certs", tmp_path / "other", free_port()
     for folder in (certs, other):
-        assert edgefl("certs", "--out", str(folder), "--submitters", "1").returncode == 0
+        assert edgefl_main("certs", "--out", str(folder), "--submitters", "1").returncode == 0
     server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(tmp_path / "s"))
     try:
         server.wait_for("each device joins with")
         wrong = ["--server", f"127.0.0.1:{port}", "--root-cert", str(other / "ca.pem")]
-        client = edgefl("client", *wrong, "--partition-id", "0", "--num-partitions", "2", "--dataset", "digits",
+        client = edgefl_main("client", *wrong, "--partition-id", "0", "--num-partitions", "2", "--dataset", "digits",
                         "--out", str(tmp_path / "c"))  # fmt: skip
         _one_line_error(client, "does not verify")
         submitter = ["--submitter-cert", str(other / "submitter-0.pem")]
-        run = edgefl("run", *FAST, "--federation", "remote", *wrong, *submitter, "--out", str(tmp_path / "r"))
+        run = edgefl_main("run", *FAST, "--federation", "remote", *wrong, *submitter, "--out", str(tmp_path / "r"))
         _one_line_error(run, "does not verify")
         # The server's CA but a submitter certificate another CA signed: the gateway refuses it, in one line.
         right = ["--server", f"127.0.0.1:{port}", "--root-cert", str(certs / "ca.pem"), *submitter]
-        run = edgefl("run", *FAST, "--federation", "remote", *right, "--out", str(tmp_path / "r"))
+        run = edgefl_main("run", *FAST, "--federation", "remote", *right, "--out", str(tmp_path / "r"))
         _one_line_error(run, "refused submitter-0.pem")
     finally:
         assert server.interrupt() == 130
@@ -204,8 +207,9 @@ CLIENT = ["client", "--insecure", "--num-partitions", "2", "--dataset", "digits"
         (["server", "--listen", "127.0.0.1:9"], "--certs DIR"),
     ],
 )
-def test_bad_input_is_one_clear_line(args: list[str], needle: str, tmp_path: Path) -> None:
-    done = edgefl(*args, "--out", str(tmp_path / "out"), timeout=120)
+def test_bad_input_is_one_clear_line(args: list[str], needle: str, tmp_path: Path, edgefl_main) -> None:
+    """In this process, through ``edgefl.cli.main``; ``tests/test_cli_errors.py`` has a case as a user types it."""
+    done = edgefl_main(*args, "--out", str(tmp_path / "out"))
     _one_line_error(done, needle)
     assert not processes_of(tmp_path / "out")
 
@@ -242,10 +246,11 @@ def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
     assert (args.dataset, args.device_profile, args.insecure) == ("digits", "rpi4", False)
 
 
-def test_install_systemd_writes_the_unit_and_starts_nothing(tmp_path: Path) -> None:
+def test_install_systemd_writes_the_unit_and_starts_nothing(tmp_path: Path, edgefl_main) -> None:
     unit = tmp_path / "edgefl-client-0.service"
-    done = edgefl("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0", "--num-partitions", "2",
-                  "--dataset", "digits", "--out", str(tmp_path / "c"), "--install-systemd", str(unit))  # fmt: skip
+    done = edgefl_main("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0",
+                       "--num-partitions", "2", "--dataset", "digits", "--out", str(tmp_path / "c"),
+                       "--install-systemd", str(unit))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "systemctl enable --now edgefl-client-0.service" in done.stdout
     assert "ExecStart=" in unit.read_text() and "--insecure" in unit.read_text()

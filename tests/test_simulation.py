@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from netem.clock import (
 )
 from netem.profiles import BUILTIN_LINKS
 from strategies.sampling import Sampler
-from tests.conftest import edgefl, processes_of, start_edgefl
+from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_rows
 
 DIGITS = ["--dataset", "digits", "--partition", "iid", "--local-steps", "3"]
 
@@ -91,14 +89,15 @@ def test_a_mixed_fleet_repeats_its_lists_over_the_clients() -> None:
 @pytest.mark.federation
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox:0.1", "scaffold"])
 def test_a_simulation_and_a_deployment_train_the_same_global_model(
-    tmp_path: Path, run_dir: Path, strategy: str
+    tmp_path: Path, run_dir: Path, strategy: str, shared_federation
 ) -> None:
     """Same seed, clients and sampling (3 clients, 2 a round): the deployment (SuperLink, SuperNodes, edge agents)
     and the simulation (Ray actors, sessions kept in Flower's node state) end on the same global model — and, for
-    SCAFFOLD, on the same control variates, each client's sent with its global models both ways."""
+    SCAFFOLD, on the same control variates, each client's sent with its global models both ways. The three
+    deployed runs share one federation, as ``edgefl compare``'s do."""
     common = [*DIGITS, "--clients", "3", "--clients-per-round", "2", "--rounds", "3", "--strategy", strategy]
-    deployed = edgefl("run", *common, "--out", str(tmp_path / "deployed"))
-    assert deployed.returncode == 0, deployed.stderr
+    settings = {"partition": "iid", "local_steps": 3, "clients_per_round": "2", "rounds": 3, "strategy": strategy}
+    shared_federation(3).run(tmp_path / "deployed", **settings)  # DIGITS and common, as build_config's keywords
     simulated = edgefl("run", *common, "--federation", "simulation", "--out", str(run_dir))
     assert simulated.returncode == 0, simulated.stderr
     a, b = RunFolder(tmp_path / "deployed").read_checkpoint(), RunFolder(run_dir).read_checkpoint()
@@ -120,7 +119,7 @@ def test_fedbuff_takes_updates_in_the_order_the_clock_gives_them_and_ctrl_c_stop
     proc = start_edgefl("run", *DIGITS, "--clients", "2", "--rounds", "500", "--strategy", "fedbuff:1",
                         "--federation", "simulation", "--profile", "lan,iot-uplink", "--device-profile", "laptop,rpi3",
                         "--clock-step-s", "0.01", "--out", str(run_dir))  # fmt: skip
-    wait_for_rows(proc, run_dir, 8)
+    wait_for_rows(run_dir, 8, proc=proc)
     running = processes_of(run_dir)
     assert any("raylet" in line for line in running), running  # Ray's processes carry the run's environment
     proc.send_signal(signal.SIGINT)
@@ -145,14 +144,6 @@ def test_fedbuff_takes_updates_in_the_order_the_clock_gives_them_and_ctrl_c_stop
     assert [r["wall_s"] for r in rows] == sorted(r["wall_s"] for r in rows)
 
 
-def wait_for_rows(proc: subprocess.Popen[str], run_dir: Path, count: int, timeout_s: float = 180) -> None:
-    """Until rounds.jsonl holds ``count`` rows (the run still going)."""
-    deadline = time.monotonic() + timeout_s
-    while len(read_rounds(run_dir)) < count:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-
-
 @pytest.mark.federation
 def test_a_round_deadline_passes_at_its_modelled_time(run_dir: Path) -> None:
     """A laptop on a LAN answers in about half a modelled second, a Pi 3 on an IoT uplink in about eleven (0.48 s,
@@ -169,14 +160,14 @@ def test_a_round_deadline_passes_at_its_modelled_time(run_dir: Path) -> None:
     assert any("late" in rejection["reason"] for r in rows for rejection in r["rejected"])
 
 
-def test_simulation_bad_input_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
-    more = edgefl("run", *DIGITS, "--clients", "4", "--clients-per-round", "5", "--federation", "simulation")
+def test_simulation_bad_input_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch, edgefl_main) -> None:
+    more = edgefl_main("run", *DIGITS, "--clients", "4", "--clients-per-round", "5", "--federation", "simulation")
     assert more.returncode == 2 and "more than the run's 4 clients" in more.stderr
-    huge = edgefl("run", *DIGITS, "--clients", "5000", "--federation", "simulation")
+    huge = edgefl_main("run", *DIGITS, "--clients", "5000", "--federation", "simulation")
     assert huge.returncode == 2 and "5000 partitions" in huge.stderr and len(huge.stderr.strip().splitlines()) == 1
-    remote_only = edgefl("run", *DIGITS, "--federation", "simulation", "--insecure")
+    remote_only = edgefl_main("run", *DIGITS, "--federation", "simulation", "--insecure")
     assert remote_only.returncode == 2 and "for --federation remote" in remote_only.stderr
-    simulation_only = edgefl("run", *DIGITS, "--clock-step-s", "0.01")
+    simulation_only = edgefl_main("run", *DIGITS, "--clock-step-s", "0.01")
     assert simulation_only.returncode == 2 and "for --federation simulation" in simulation_only.stderr
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="needs Ray"):

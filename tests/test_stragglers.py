@@ -20,7 +20,7 @@ from flwr.common.constant import ErrorCode
 
 from fl_server import engine
 from fl_server.engine import ReplyPuller
-from tests.conftest import processes_of, start_edgefl, wait_for_first_round
+from tests.conftest import processes_of, start_edgefl, wait_for_rows
 
 
 def _reply_to(message_id: str, error: Error | None = None) -> Message:
@@ -106,7 +106,7 @@ def test_a_silent_client_does_not_stall_the_run(run_dir: Path) -> None:
         "run", "--strategy", "dga:1", "--dataset", "digits", "--partition", "iid", "--clients", "3",
         "--rounds", "6", "--local-steps", "5", "--quorum", "0.6", "--round-deadline-s", "4", "--out", str(run_dir),
     )  # fmt: skip
-    wait_for_first_round(proc, run_dir)
+    wait_for_rows(run_dir, 1, "round 1", proc=proc)
     agent = next(line for line in processes_of(run_dir) if "fl_client.node" in line and ".node-2.ready" in line)
     pid, log, deadline = int(agent.split()[0]), run_dir / "logs" / "agent-2.log", time.monotonic() + 60
     os.kill(pid, signal.SIGSTOP)

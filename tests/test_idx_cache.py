@@ -1,0 +1,70 @@
+"""The decoded idx files cached on disk (``ml.data._read_idx``): what a load reads from the cache is what it reads
+from the idx files, whole or a device's rows; a changed file is decoded again; a cache that cannot be written is
+skipped; a broken file is refused, not cached."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_data import write_mnist_dir
+
+from contract.settings import parse_partition
+from ml.data import DataError, load_dataset, load_partition
+from ml.partition import partition_indices
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "edgefl" / "idx"
+
+
+def test_a_cached_load_is_the_decoded_one(tmp_path: Path, cache: Path) -> None:
+    data = tmp_path / "mnist"
+    data.mkdir()
+    arrays = write_mnist_dir(data, np.random.default_rng(3), gz=True)
+    first = load_dataset("mnist", str(data))
+    assert len(list(cache.glob("*.npy"))) == 4 and not list(cache.glob("*partial*"))
+    (images,) = cache.glob("train-images-idx3-ubyte.gz-*.npy")
+    np.testing.assert_array_equal(np.load(images), arrays["train-images-idx3-ubyte"])
+    rows = partition_indices(first, parse_partition("iid"), 3, seed=0)[2]
+    part = load_partition("mnist", str(data), parse_partition("iid"), 3, 0, 2)  # read from the cache
+    np.testing.assert_array_equal(part.x_train.raw, first.x_train.raw[rows])
+    assert (part.x_train.mean, part.x_train.std) == (first.x_train.mean, first.x_train.std)
+
+    np.save(images, np.zeros((30, 28, 28), np.uint8))  # what a load returns now comes from the cache
+    assert not load_dataset("mnist", str(data)).x_train.raw.any()
+
+
+def test_a_changed_file_is_decoded_again(tmp_path: Path, cache: Path) -> None:
+    data = tmp_path / "mnist"
+    data.mkdir()
+    write_mnist_dir(data, np.random.default_rng(1), gz=False)
+    load_dataset("mnist", str(data))
+    changed = write_mnist_dir(data, np.random.default_rng(2), gz=False)
+    os.utime(data / "train-images-idx3-ubyte", ns=(1, 1))  # a new modification time, whatever the clock's grain
+    np.testing.assert_array_equal(load_dataset("mnist", str(data)).x_train.raw, changed["train-images-idx3-ubyte"])
+
+
+def test_an_unwritable_cache_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    data = tmp_path / "mnist"
+    data.mkdir()
+    arrays = write_mnist_dir(data, np.random.default_rng(4), gz=True)
+    np.testing.assert_array_equal(load_dataset("mnist", str(data)).x_test.raw, arrays["t10k-images-idx3-ubyte"])
+
+
+def test_a_truncated_file_is_refused_and_not_cached(tmp_path: Path, cache: Path) -> None:
+    data = tmp_path / "mnist"
+    data.mkdir()
+    write_mnist_dir(data, np.random.default_rng(5), gz=False)
+    images = data / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:-100])
+    with pytest.raises(DataError, match="truncated"):
+        load_dataset("mnist", str(data))
+    assert not list(cache.glob("train-images*"))
