@@ -43,7 +43,7 @@ PHASES = (  # name, what it marks
     ("superlink", "SuperLink serving"),
     ("agents_ready", "every agent's data loaded"),
     ("nodes_joined", "every SuperNode joined"),
-    ("submitted", "flwr run returned"),
+    ("submitted", "the run announced (flwr run returned, every agent ready)"),
     ("server_app", "the ServerApp's first log line"),
     ("first_round", "round 1's first message pushed"),
     ("last_reply", "the last round's last reply pulled"),
@@ -111,7 +111,7 @@ def timed_run(argv: list[str], run_dir: Path, clients: int, agents: bool, env: d
     rows = 0
     while proc.poll() is None:
         watch.poll()
-        if "last_row" not in watch.seen and (count := len(read_rounds(run_dir))) != rows:
+        if (count := len(read_rounds(run_dir))) != rows:
             rows = count
             watch.seen["row"] = time.monotonic()
         if "summary" in watch.seen and "stopped" not in watch.seen and not descendants(proc.pid):

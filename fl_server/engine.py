@@ -169,8 +169,8 @@ def _yield_cpu() -> None:
 
 def evaluation_layout(model: torch.nn.Module) -> torch.nn.Module:
     """The model with its convolutions' weights channels-last (a no-op for a model without any): torch's oneDNN
-    convolutions then run 2-3x faster on a CPU than on the NCHW weights that ``set_flat_params`` writes, with the
-    same parameters and test examples."""
+    convolutions then take less CPU than on the NCHW weights that ``set_flat_params`` writes (``bench/startup.py``
+    prints both), with the same parameters and test examples."""
     return model.to(memory_format=torch.channels_last)
 
 

@@ -3,11 +3,13 @@ installed flwr code by ``remember_transport`` (which imports the SuperNode's loo
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from contract import flower
 from contract.flower import TUNED_SOURCE, code_key
 from contract.transport import FAST, STOCK, STOCK_ENV, remember_transport, remembered_transport, why_stock
 
@@ -33,12 +35,24 @@ def test_other_flwr_code_is_found_again(monkeypatch: pytest.MonkeyPatch) -> None
     assert remembered_transport() is None
 
 
-def test_the_key_reads_the_installed_files_without_importing_them() -> None:
-    module = "flwr.supernode.start_client_internal"
-    assert code_key(TUNED_SOURCE) != code_key({**TUNED_SOURCE, f"{module}.not_there": "0" * 16})
-    if module not in sys.modules:  # this process has not imported the SuperNode's loop: nor did code_key
-        code_key(TUNED_SOURCE)
-        assert module not in sys.modules
+def test_the_key_follows_the_files_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module file rewritten in place (another size or modification time) is other code: found again."""
+    module = tmp_path / "start_client_internal.py"
+    module.write_text("def start_client_internal(): ...\n")
+    monkeypatch.setattr(flower, "_installed_file", lambda relative: module)
+    before = code_key(TUNED_SOURCE)
+    assert code_key(TUNED_SOURCE) == before
+    module.write_text("def start_client_internal(): return None\n")
+    assert code_key(TUNED_SOURCE) != before
+
+
+def test_the_key_imports_none_of_the_code_it_names() -> None:
+    probe = (
+        "import sys; from contract.flower import TUNED_SOURCE, code_key; code_key(TUNED_SOURCE); "
+        "print(sorted(q.rsplit('.', 1)[0] for q in TUNED_SOURCE if q.rsplit('.', 1)[0] in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_stock_by_setting_needs_no_check(monkeypatch: pytest.MonkeyPatch) -> None:
