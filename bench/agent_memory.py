@@ -58,6 +58,20 @@ def stages(dataset: str, model: str, partition: str, clients: int, local_steps: 
     return measured
 
 
+def started_as_on_a_device(log_dir: Path, env: dict[str, str]) -> Any:
+    """A federation's processes with each agent and SuperNode started as a device starts it (``python -m``), not
+    forked from the local testbed's fork servers: a forked child's peak counts only the shared pages it touched,
+    less than a device's agent, which loads them itself."""
+    from edgefl.processes import ProcessGroup
+
+    class AsOnADevice(ProcessGroup):
+        def fork(self, server: Any, name: str, module: str, args: list[str], netns: str | None,
+                 command: list[str]) -> Any:  # fmt: skip
+            return self.start(name, command)
+
+    return AsOnADevice(log_dir, env)
+
+
 def served(dataset: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     """A whole run of ``args.rounds`` rounds served by a local federation of ``args.clients`` agents: each agent's
     and SuperNode's VmHWM once the run has ended (before they stop), and the highest peak the replies reported."""
@@ -69,7 +83,7 @@ def served(dataset: str, model: str, args: argparse.Namespace) -> dict[str, Any]
     config = build_config(dataset=dataset, model=model, partition=args.partition, clients=args.clients,
                           rounds=args.rounds, local_steps=args.local_steps, eval_examples=args.eval_examples,
                           out=str(out))  # fmt: skip
-    with local_federation(config, out, progress=lambda line: None) as federation:
+    with local_federation(config, out, progress=lambda line: None, processes=started_as_on_a_device) as federation:
         run_dir = run_on(federation, config, progress=lambda line: print(f"  {line}", flush=True))
         pids = {name: proc.pid for name, proc in federation.procs.procs}
         agents = [round(vm_hwm_mb(pids[f"agent-{i}"]), 1) for i in range(args.clients)]

@@ -46,6 +46,7 @@ from results import write_result
 from contract.run_folder import CONFIG, MESSAGES, ROUNDS, SERVER_LOG, SUMMARY, read_rounds
 from contract.settings import RunConfig, build_config
 from edgefl.certs import make_node_keys
+from edgefl.forkserver import ForkedProcess, ForkServer
 from edgefl.launcher import (
     FEDERATION,
     LocalFederation,
@@ -100,18 +101,19 @@ HTTP_PROBES = {
 
 
 class WithHostileAgent(ProcessGroup):
-    """A federation's processes, client ATTACKER's agent started as the hostile agent (the same arguments, with
-    ``bench/hostile_agent.py --plan PLAN`` in place of ``-m fl_client.node``)."""
+    """A federation's processes, client ATTACKER's agent started as the hostile agent instead of forked (the same
+    command line, with ``bench/hostile_agent.py --plan PLAN`` in place of ``-m fl_client.node``)."""
 
     def __init__(self, log_dir: Path, env: dict[str, str], plan: Path) -> None:
         super().__init__(log_dir, env)
         self.plan = plan
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        if name == f"agent-{ATTACKER}":
-            at = argv.index("fl_client.node")
-            argv = [*argv[: at - 1], str(HOSTILE_AGENT), "--plan", str(self.plan), *argv[at + 1 :]]
-        return super().start(name, argv)
+    def fork(self, server: ForkServer, name: str, module: str, args: list[str], netns: str | None,
+             command: list[str]) -> ForkedProcess | subprocess.Popen[bytes]:  # fmt: skip
+        if name != f"agent-{ATTACKER}":
+            return super().fork(server, name, module, args, netns, command)
+        at = command.index("fl_client.node")
+        return self.start(name, [*command[: at - 1], str(HOSTILE_AGENT), "--plan", str(self.plan), *command[at + 1 :]])
 
 
 @contextlib.contextmanager

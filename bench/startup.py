@@ -6,14 +6,18 @@ SuperLink serves, every agent is ready (its data loaded), every SuperNode has jo
 ServerApp logs, round 1's first message is pushed (messages.jsonl: the server's monotonic clock, which is this
 host's), the last round's last reply is pulled, the last row is written, summary.json is written, the run's
 processes are gone, and the command exits. The edgefl run is made twice: first with an empty cache
-(``XDG_CACHE_HOME`` a fresh folder: the split is computed), then warm; Flower's after them, warm.
+(``XDG_CACHE_HOME`` a fresh folder: the split is computed), then warm; Flower's after them, warm; last, ``edgefl run
+--federation remote`` against an ``edgefl server`` and clients started (and joined) before it, on loopback in plain
+text: what a run costs when its devices are already running.
 
     python bench/startup.py [--clients 4] [--rounds 3] [--profile loopback]
 
 result.json: ``time_to_first_round_s`` (warm), ``eval_lag_s`` (last row − last reply), ``teardown_s`` (summary.json
 → processes gone), ``exit_after_training_s`` (last reply → the command's exit), ``outside_training_s`` (the run's
-whole time less its training wall clock), the cold run's and Flower's beside, every phase of each run, and the
-CPU seconds of each process's imports and of one evaluation (torch as before and now, onnxruntime), measured first.
+whole time less its training wall clock), the cold run's, Flower's and the remote one's beside
+(``remote_time_to_first_round_s``), every phase of each run, and the
+CPU seconds of each process's imports and of one evaluation (torch as before, onnxruntime now: the Evaluator's way,
+and with the parameters fed as inputs), measured first.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 from results import write_result
 
 from contract.run_folder import CONFIG, MESSAGES, ROUNDS, SERVER_LOG, SUMMARY, read_rounds
-from edgefl.processes import process_tree
+from edgefl.processes import ProcessGroup, free_port, process_tree, tail
 
 POLL_S = 0.02
 TIMEOUT_S = 900.0
@@ -143,33 +147,64 @@ IMPORTS = {  # what each process imports before it can do its part, as `python -
     "flwr run (Flower's CLI)": "flwr.cli.app",
 }
 EVALUATION = """
-import copy, json, resource, tempfile, time
-from pathlib import Path
-import numpy as np, onnxruntime as ort, torch
-from fl_server.engine import evaluation_layout
+import itertools, json, math, time
+import torch
+from fl_server.engine import EVALUATION_BATCH
 from ml.data import load_dataset
+from ml.model_card import build_card
 from ml.models import build_model
-from ml.onnx import export_onnx
+from ml.onnx import INPUT_NAME, OUTPUT_NAME, inference_session, scores, with_parameters
 from ml.trainer import evaluate
 torch.set_num_threads(1)
 data = load_dataset("fashion-mnist")
 model = build_model(data, 0, "auto")
-path = export_onnx(model, data, Path(tempfile.mkdtemp()) / "m.onnx")
-options = ort.SessionOptions()
-options.intra_op_num_threads = options.inter_op_num_threads = 1
-session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-x = np.asarray(data.x_test[:])
-laid_out = evaluation_layout(copy.deepcopy(model))
+card = build_card(data, 0, "auto")
+x, y = data.x_test, data.y_test
+def evaluate_onnx(session, fed):
+    for i in range(0, len(y), EVALUATION_BATCH):
+        inputs = {INPUT_NAME: x[i : i + EVALUATION_BATCH], **fed}
+        scores(session.run([OUTPUT_NAME], inputs)[0], y[i : i + EVALUATION_BATCH])
+def fed_as_inputs():
+    ends = [0, *itertools.accumulate(math.prod(shape) for _, shape in card.layout)]
+    fed = {name: card.params[a:b].reshape(shape) for (name, shape), a, b in zip(card.layout, ends, ends[1:])}
+    evaluate_onnx(inference_session(card.graph, 1), fed)
 def cpu(work):
     start = time.process_time()
     work()
     return round(time.process_time() - start, 2)
 print(json.dumps({
-    "torch, NCHW (before)": cpu(lambda: evaluate(model, data.x_test, data.y_test)),
-    "torch, channels-last (now)": cpu(lambda: evaluate(laid_out, data.x_test, data.y_test)),
-    "onnxruntime": cpu(lambda: [session.run(None, {"input": x[i : i + 1000]}) for i in range(0, len(x), 1000)]),
+    "torch, NCHW (before)": cpu(lambda: evaluate(model, x, y)),
+    "onnxruntime, parameters fed as inputs": cpu(fed_as_inputs),
+    "onnxruntime, parameters baked into the graph (now)": cpu(
+        lambda: evaluate_onnx(inference_session(with_parameters(card.graph, card.params, card.layout), 1), {})
+    ),
 }))
 """
+
+
+def remote_run(edgefl: str, common: list[str], args: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:
+    """``edgefl run --federation remote`` timed as ``timed_run`` times a local one, against ``edgefl server`` and
+    ``args.clients`` ``edgefl client`` processes started before it and joined (plain text on loopback: the devices'
+    start-up is not the run's)."""
+    port = free_port()
+    home = (args.out / "remote").resolve()
+    with ProcessGroup(home / "processes", env) as procs:
+        procs.start("edgefl-server", [edgefl, "server", "--listen", f"127.0.0.1:{port}", "--insecure",
+                               "--out", str(home / "server")])  # fmt: skip
+        server_log = procs.log_dir / "edgefl-server.log"
+        procs.wait_until("edgefl server", lambda: "--federation remote --server" in tail(server_log, 50), TIMEOUT_S)
+        local = tail(server_log, 50).split("--federation remote --server ")[1].split()[0]
+        for i in range(args.clients):
+            procs.start(f"client-{i}", [edgefl, "client", "--server", f"127.0.0.1:{port}", "--insecure",
+                                        "--partition-id", str(i), "--num-partitions", str(args.clients),
+                                        "--dataset", "fashion-mnist", "--out", str(home / f"client-{i}")])  # fmt: skip
+        for i in range(args.clients):
+            log = procs.log_dir / f"client-{i}.log"
+            procs.wait_until(f"client {i} to join", lambda log=log: "joined" in tail(log, 50), TIMEOUT_S)
+        remote = [a for a in common if a not in ("--profile", args.profile)]
+        argv = [edgefl, "run", "--strategy", "fedavg", *remote, "--federation", "remote", "--server", local,
+                "--insecure", "--out", str(home / "run")]  # fmt: skip
+        return timed_run(argv, home / "run", args.clients, False, env)
 
 
 def cpu_seconds(code: str) -> tuple[float, str]:
@@ -223,6 +258,8 @@ def main() -> int:
             run_dir = args.out / name.replace(", ", "-").replace(" ", "-")
             argv = [edgefl, "run", "--strategy", strategy, *common, "--out", str(run_dir)]
             runs[name] = timed_run(argv, run_dir, args.clients, strategy == "fedavg", env)
+        print("remote: edgefl run --federation remote, against a server and clients already running ...", flush=True)
+        runs["remote"] = remote_run(edgefl, common, args, {**os.environ, "XDG_CACHE_HOME": cold_cache})
     names = list(runs)
     lines = [
         f"# A run's fixed costs: {args.clients} clients, Fashion-MNIST, {args.rounds} rounds of {args.local_steps} "
@@ -247,7 +284,8 @@ def main() -> int:
         "",
         f"Round 1 starts {warm['time_to_first_round_s']:.1f} s after `edgefl run` (cold cache "
         f"{cold['time_to_first_round_s']:.1f} s; Flower's FedAvg {flower['time_to_first_round_s']:.1f} s: "
-        f"{flower['time_to_first_round_s'] / warm['time_to_first_round_s']:.2f}x edgefl's).",
+        f"{flower['time_to_first_round_s'] / warm['time_to_first_round_s']:.2f}x edgefl's); against a server and "
+        f"devices already running, {per_run['remote']['time_to_first_round_s']:.1f} s.",
     ]
     lines += ["", "CPU seconds in a fresh process on this machine, idle, before the runs:", "",
               "| imports of | CPU s |", "|---|---|"]  # fmt: skip
@@ -259,6 +297,7 @@ def main() -> int:
         **budget,
         "cold_time_to_first_round_s": cold["time_to_first_round_s"],
         "flower_time_to_first_round_s": flower["time_to_first_round_s"],
+        "remote_time_to_first_round_s": per_run["remote"]["time_to_first_round_s"],
         "flower_teardown_s": flower["teardown_s"],
         "flower_over_edgefl_first_round": round(flower["time_to_first_round_s"] / warm["time_to_first_round_s"], 2),
         "phases": runs,

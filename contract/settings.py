@@ -24,7 +24,7 @@ from strategies.sampling import Sampler, parse_clients_per_round
 from strategies.spec import Spec, label, parse_aggregate, parse_spec
 from strategies.strategy import StrategySettings
 
-LR_SCHEDULES = ("constant", "cosine")  # see ml.trainer.scheduled_lr
+LR_SCHEDULES = ("constant", "cosine")  # see ml.schedule.scheduled_lr
 FEDERATIONS = ("local", "remote", "simulation")
 
 
@@ -50,7 +50,7 @@ class RunConfig:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
-    lr_schedule: str = "constant"  # or "cosine": decays over the run's rounds (ml.trainer.scheduled_lr)
+    lr_schedule: str = "constant"  # or "cosine": decays over the run's rounds (ml.schedule.scheduled_lr)
     seed: int = 0
     target_accuracy: float | None = None
     out: str = "runs/default"

@@ -34,7 +34,8 @@ from contract.settings import ClientJob
 from edge.health import health_snapshot
 from ml.data import Dataset, load_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
-from ml.trainer import LocalTrainer, scheduled_lr
+from ml.schedule import scheduled_lr
+from ml.trainer import LocalTrainer
 from strategies.codecs import make_client_codec
 from strategies.downlink import BroadcastDecoder
 from strategies.registry import client_half

@@ -140,10 +140,12 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, object] | Non
 def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     """Fail before anything starts: the data set is installed, the model and the partition fit it, the links
     exist, the submitter's certificate and key are there. The split is made once, here, into the partition cache
-    (``ml.data.one_partition``) that the server and the devices on this machine then read."""
+    (``ml.data.one_partition``) that the server and the devices on this machine then read, and so is the model's
+    card (``ml.model_card``) that a server on this machine reads."""
     from edgefl.gateway import Submitter
     from ml.catalog import resolve_model
     from ml.data import load_dataset, one_partition
+    from ml.model_card import model_card
     from netem.fleet import devices_for, links_for
 
     if config.federation == "simulation" and importlib.util.find_spec("ray") is None:
@@ -151,6 +153,8 @@ def preflight(config: RunConfig, profiles: list[str] | None = None) -> None:
     dataset = load_dataset(config.dataset, config.data_dir or None)
     resolve_model(config.model, dataset.kind, dataset.name)
     one_partition(dataset, config.partition_spec, config.clients, config.seed, 0)
+    if config.federation != "remote":  # a remote run's server is another machine's
+        model_card(dataset, config.seed, config.model)
     for profile in profiles or [config.profile]:
         links_for(dataclasses.replace(config, profile=profile))
     devices_for(config)

@@ -121,7 +121,7 @@ http {{
         """Start nginx in ``procs`` (inside ``prefix``, e.g. a network namespace) and return once it listens;
         returns its folder (``access.log``: every request, with its status and client certificate)."""
         nginx = _binary("nginx")
-        folder = procs.log_dir / "gateway"
+        folder = (procs.log_dir / "gateway").resolve()  # nginx reads -c and -e relative to its prefix -p
         (folder / "tmp").mkdir(parents=True, exist_ok=True)
         (folder / "nginx.pid").unlink(missing_ok=True)
         conf = folder / "nginx.conf"

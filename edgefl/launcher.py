@@ -42,6 +42,7 @@ from contract.run_folder import (
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
 from edge.devices import DEVICE_PROFILES, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_server_certs
+from edgefl.forkserver import ForkServer
 from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
 from edgefl.processes import (
     ENDED_GRACE_S,
@@ -62,6 +63,7 @@ STARTUP_TIMEOUT_S = 90.0
 SUBMIT_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 30.0  # how long a remote SuperLink may stay unreachable before a command gives up
 CLIENT_PROCESSES = ("agent-", "supernode-")  # ProcessGroup names of a client's processes
+FORKSERVER = "forkserver-"  # ProcessGroup names of the fork servers of the clients' processes (not a client's own)
 RUN_LOG = "run-log"  # a remote run's streamed ServerApp log (flwr log --stream)
 LAST_WORD_WAIT_S = 30.0  # how long a stopped remote run's checkpoint and error may take to come back
 LAPTOP = DEVICE_PROFILES["laptop"]  # no cap
@@ -364,11 +366,12 @@ class LocalFederation:
         return free_port()
 
     def start(self) -> str:
-        """Start every process; returns the address devices dial. Agents load their data while the SuperLink and
-        the SuperNodes start and the run is submitted (an agent serves its SuperNode once it is ready)."""
+        """Start every process; returns the address devices dial. The SuperLink first, alone (a run's submission
+        waits for it); then agents and SuperNodes, forked from two fork servers (``edgefl.forkserver``: their
+        modules imported once, not once each) that import while the run is submitted; agents load their data while
+        the SuperNodes join (an agent serves its SuperNode once it is ready). Forks are asked for, not waited for."""
         port = self.superlink_port()
         address = self.device_address = f"{self.place.server_host}:{port}"
-        self.runtimes = self._start_agents() if self.app == "edgefl" else [None] * self.config.clients
         if self.place.backend == "loopback":
             self.address = address
             start_superlink(self.procs, superlink_argv("127.0.0.1", port, None))
@@ -378,11 +381,26 @@ class LocalFederation:
             self.address = f"127.0.0.1:{local_port}"  # the server's own loopback, where runs are submitted
             start_superlink(self.procs, [*self.place.server_prefix, *superlink_argv("127.0.0.1", local_port, None)])
             Gateway(self.place.server_host, port, local_port, self.certs).start(self.procs, self.place.server_prefix)
-        for i, (prefix, runtime) in enumerate(zip(self.place.client_prefixes, self.runtimes, strict=True)):
+        agents = nodes = None
+        if self.app == "edgefl":
+            agents = self.procs.start_forkserver(f"{FORKSERVER}agents", "fl_client.node")
+            nodes = self.procs.start_forkserver(f"{FORKSERVER}supernodes", "fl_client.supernode")
+        self.runtimes = self._start_agents(agents) if agents else [None] * self.config.clients
+        for i, runtime in enumerate(self.runtimes):
             node_config = f"partition-id={i} num-partitions={self.config.clients}"
             supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config, serve=runtime)
-            self.procs.start(f"supernode-{i}", [*prefix, *supernode])
+            self._start_client_process(nodes if runtime else None, f"supernode-{i}", i, supernode)
         return address
+
+    def _start_client_process(self, server: ForkServer | None, name: str, client: int, argv: list[str]) -> None:
+        """Client ``client``'s process ``argv`` in its place: forked by ``server`` when given (``argv`` is then a
+        ``python -m MODULE ...``), started as a command otherwise."""
+        command = [*self.place.client_prefixes[client], *argv]
+        if server is None:
+            self.procs.start(name, command)
+            return
+        netns = self.place.testbed.client_ns[client] if self.place.testbed else None
+        self.procs.fork(server, name, argv[2], argv[3:], netns, command)
 
     def place_devices(self) -> None:
         """Put each agent on its device's cores once it is ready and each SuperNode once it has joined the
@@ -403,16 +421,17 @@ class LocalFederation:
             self.procs.wait_until(f"SuperNode {i} to join", lambda log=log: JOINED in tail(log, 200), STARTUP_TIMEOUT_S)
             cap.place("supernode", dict(self.procs.procs)[name].pid)
 
-    def _start_agents(self) -> list[NodeRuntime]:
-        """One agent per client, started uncapped; ``start`` puts it on its device's cores once it is ready."""
+    def _start_agents(self, server: ForkServer) -> list[NodeRuntime]:
+        """One agent per client, forked by ``server``, uncapped; ``place_devices`` puts it on its device's cores once
+        it is ready."""
         job = self.run_dir / ".job.json"
         job.write_text(self.config.client_job().to_json())
         runtimes = []
-        for i, prefix in enumerate(self.place.client_prefixes):
+        for i in range(self.config.clients):
             runtime = NodeRuntime.create(self.run_dir, f"node-{i}")
             argv = runtime.agent_argv("--job", str(job), "--partition-id", str(i),
                                       "--num-partitions", str(self.config.clients))  # fmt: skip
-            self.procs.start(f"agent-{i}", [*prefix, *argv])
+            self._start_client_process(server, f"agent-{i}", i, argv)
             runtimes.append(runtime)
         return runtimes
 

@@ -23,6 +23,7 @@ from typing import NoReturn
 
 from contract.errors import EdgeflError
 from contract.parent import signal_on_parent_death
+from edgefl.forkserver import ForkedProcess, ForkServer
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL while a run may still need what its processes hold
 ENDED_GRACE_S = 1.0  # once its results are written: what a federation's processes hold is no longer needed, and
@@ -125,7 +126,7 @@ class ProcessGroup:
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
         self.env = env
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.procs: list[tuple[str, subprocess.Popen[bytes] | ForkedProcess]] = []
         self.grace_s = GRACE_S  # between SIGTERM and SIGKILL in ``stop``
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -135,7 +136,7 @@ class ProcessGroup:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
         with open(self.log_dir / f"{name}.log", "ab") as log:
             try:
                 proc = subprocess.Popen(
@@ -146,9 +147,28 @@ class ProcessGroup:
                     env=self.env,
                     start_new_session=True,
                     preexec_fn=_ends_with_this_process(),
+                    pass_fds=pass_fds,
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start {name} ({argv[0]}): {exc.strerror}") from None
+        self.procs.append((name, proc))
+        return proc
+
+    def start_forkserver(self, name: str, *preload: str) -> ForkServer:
+        """A fork server (``edgefl.forkserver``) in this group that preloads the modules ``preload``."""
+        server = ForkServer()
+        try:
+            server.serve(self.start(name, server.argv(*preload), pass_fds=(server.child_fd,)))
+        except LaunchError:
+            server.close()
+            raise
+        return server
+
+    def fork(self, server: ForkServer, name: str, module: str, args: list[str], netns: str | None,
+             command: list[str]) -> ForkedProcess:  # fmt: skip
+        """``python -m module *args`` forked by ``server`` (in network namespace ``netns``), kept as ``name``;
+        ``command`` starts the same process without a fork server."""
+        proc = server.fork(module, args, self.log_dir / f"{name}.log", netns, command)
         self.procs.append((name, proc))
         return proc
 
@@ -170,16 +190,25 @@ class ProcessGroup:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 
+    def _pids(self) -> list[int]:
+        """The PIDs of the started processes (a fork that failed has none)."""
+        pids = []
+        for _, proc in self.procs:
+            with contextlib.suppress(OSError):
+                pids.append(proc.pid)
+        return pids
+
     def stop(self) -> None:
-        tree = process_tree([proc.pid for _, proc in self.procs])
+        tree = process_tree(self._pids())
         _signal_all(tree, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for _, proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         _signal_all(tree, signal.SIGKILL)  # whatever ignored SIGTERM
-        for _, proc in self.procs:  # and what was forked after the tree was read (each started process leads a
+        for pid in self._pids():  # and what was forked after the tree was read (each started process leads a
             with contextlib.suppress(ProcessLookupError, PermissionError):  # process group its children join)
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
+        for _, proc in self.procs:
             proc.wait()
         self.procs.clear()

@@ -21,7 +21,8 @@ def train(msg: Message, context: Context) -> Message:
     from ml.data import load_dataset
     from ml.models import build_model
     from ml.partition import partition_indices
-    from ml.trainer import LocalTrainer, scheduled_lr
+    from ml.schedule import scheduled_lr
+    from ml.trainer import LocalTrainer
 
     torch.set_num_threads(1)
     job = msg.content["config"]

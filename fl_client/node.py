@@ -72,6 +72,16 @@ def main(argv: list[str] | None = None) -> None:
         agent.stop()
 
 
+def preload() -> None:
+    """Import what an agent imports before it serves (``edgefl.forkserver``: agents forked from one process that
+    imported this once): torch, the edge agent, its device threads, the ClientApp."""
+    import torch  # noqa: F401
+
+    import edge.agent
+    import edge.devices  # noqa: F401
+    import fl_client.app  # noqa: F401
+
+
 def _tune_malloc() -> None:
     """glibc's malloc (elsewhere nothing) as a device needs it: at most ``ARENAS`` arenas (the task threads, their
     object transfers and the trainer each take an arena of their own otherwise, and an arena keeps what was freed

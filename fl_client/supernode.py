@@ -14,6 +14,12 @@ from contract.parent import watch_parent
 from contract.transport import tune
 
 
+def preload() -> None:
+    """Import Flower's SuperNode (``edgefl.forkserver``: SuperNodes forked from one process that imported it
+    once)."""
+    from contract.flower import flower_supernode  # noqa: F401
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--parent-pid"]:
         watch_parent(int(sys.argv[2]))

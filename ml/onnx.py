@@ -1,25 +1,32 @@
-"""The model on the device as ONNX: export from torch, int8 dynamic quantization, and inference through
-ONNX Runtime.
+"""The model as ONNX: export from torch, the evaluation graph with its parameters as inputs, int8 dynamic
+quantization, and inference through ONNX Runtime.
 
 The export uses torch's TorchScript-based exporter (``dynamo=False``; the dynamo exporter needs onnxscript)
 at opset ``OPSET`` with a dynamic batch axis. Both edgefl models export: the CNN (images, float32) and the
 character LSTM (int64 character ids; its initial state is built from the input's batch size in the graph).
+torch is imported by the two exports only: the server evaluates and writes its model without it
+(``ml.model_card`` keeps the evaluation graph).
 """
 
 from __future__ import annotations
 
+import io
 import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx
 import onnxruntime as ort
-import torch
-from onnxruntime.quantization import QuantType, quantize_dynamic
-from onnxruntime.quantization.shape_inference import quant_pre_process
-from torch import nn
+from onnx import numpy_helper
 
+from ml.catalog import ModelError
 from ml.data import Dataset
+from strategies.codecs.base import Layout
+
+if TYPE_CHECKING:
+    from torch import nn
 
 OPSET = 17  # supported by every onnxruntime >= 1.13 and by torch's TorchScript exporter (7..20)
 INPUT_NAME = "input"
@@ -33,6 +40,25 @@ def export_onnx(model: nn.Module, dataset: Dataset, path: Path) -> Path:
     One test row is the example input that fixes the graph's dtype and per-sample shape.
     """
     path = Path(path)
+    _export(model, dataset, str(path))
+    return path
+
+
+def evaluation_graph(model: nn.Module, dataset: Dataset) -> bytes:
+    """``model`` as an ONNX graph whose parameters are graph inputs, each named as in ``ml.models.param_layout``
+    (no buffers: the models have none), for ``with_parameters``. Nothing is folded into constants: folding would
+    replace the LSTM's parameters by the exporter's own tensors (its gates reordered and concatenated)."""
+    graph = io.BytesIO()
+    _export(model, dataset, graph, export_params=False, do_constant_folding=False)
+    inputs = {value.name for value in onnx.load_from_string(graph.getvalue()).graph.input} - {INPUT_NAME}
+    if inputs != {name for name, _ in model.named_parameters()}:
+        raise ModelError(f"the evaluation graph's inputs are not the model's parameters: {sorted(inputs)}")
+    return graph.getvalue()
+
+
+def _export(model: nn.Module, dataset: Dataset, sink: str | io.BytesIO, **options: bool) -> None:
+    import torch
+
     example = torch.from_numpy(dataset.x_test[:1])
     with warnings.catch_warnings():
         # Both warnings concern choices made here on purpose: the legacy exporter (dynamo needs onnxscript)
@@ -42,14 +68,54 @@ def export_onnx(model: nn.Module, dataset: Dataset, path: Path) -> Path:
         torch.onnx.export(
             model,
             (example,),
-            str(path),
+            sink,
             dynamo=False,
             opset_version=OPSET,
             input_names=[INPUT_NAME],
             output_names=[OUTPUT_NAME],
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            **options,
         )
-    return path
+
+
+def with_parameters(graph: bytes, flat: np.ndarray, layout: Layout) -> bytes:
+    """The evaluation graph ``graph`` with the flat parameter vector ``flat`` (``layout``'s order) baked in as
+    initializers: an ONNX model like ``export_onnx``'s, with the constant weights onnxruntime's optimizations need (fed
+    as inputs instead, the CNN's evaluation takes about twice the CPU). Raises ModelError when ``flat`` does not fit
+    ``layout``."""
+    flat = np.asarray(flat, dtype=np.float32)
+    expected = sum(int(np.prod(shape)) for _, shape in layout)
+    if flat.ndim != 1 or flat.size != expected:
+        raise ModelError(f"parameter vector has shape {flat.shape}, the model needs ({expected},)")
+    model = onnx.load_from_string(graph)
+    at = 0
+    for name, shape in layout:
+        size = int(np.prod(shape))
+        model.graph.initializer.append(numpy_helper.from_array(flat[at : at + size].reshape(shape), name))
+        at += size
+    kept = [value for value in model.graph.input if value.name == INPUT_NAME]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    return model.SerializeToString()
+
+
+def inference_session(model: str | bytes, threads: int = 0) -> ort.InferenceSession:
+    """A CPU session of an ONNX model (a path or its bytes) with ``threads`` intra-op threads (0: onnxruntime's
+    default, one per core) and one inter-op thread. With one, onnxruntime makes no thread of its own: the work
+    runs on the thread that calls ``run`` (at that thread's priority)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def scores(logits: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+    """Summed cross-entropy (torch's ``cross_entropy``, summed in float64) and the count of correct predictions of
+    class ``logits`` (N, classes) for labels ``y``."""
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    log_sum = np.log(np.exp(shifted).sum(axis=1))
+    loss = log_sum - shifted[np.arange(len(y)), y]
+    return float(loss.sum()), int((logits.argmax(axis=1) == y).sum())
 
 
 def quantize_int8(fp32_path: Path, int8_path: Path) -> Path:
@@ -60,6 +126,9 @@ def quantize_int8(fp32_path: Path, int8_path: Path) -> Path:
     optimization); symbolic shape inference is skipped, as the shapes are static but for the batch axis and it
     costs seconds of sympy import.
     """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
     with tempfile.TemporaryDirectory(prefix="edgefl-quant-") as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         quant_pre_process(str(fp32_path), str(prepared), skip_symbolic_shape=True)
@@ -72,9 +141,7 @@ class OnnxClassifier:
 
     def __init__(self, path: Path, threads: int = 0) -> None:
         """``threads``: intra-op threads of the session; 0 leaves onnxruntime's default (one per core)."""
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.session = inference_session(str(path), threads)
 
     def predict_logits(self, x: np.ndarray) -> np.ndarray:
         """Class logits (N, classes) for a batch of inputs in the data set's layout and dtype."""
@@ -86,6 +153,5 @@ class OnnxClassifier:
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """Mean cross-entropy and accuracy on (x, y), with the same loss function as ``ml.trainer.evaluate``."""
-        logits = self.predict_logits(x)
-        loss = float(nn.functional.cross_entropy(torch.from_numpy(logits), torch.from_numpy(y)))
-        return loss, float(np.mean(logits.argmax(axis=1) == y))
+        loss, correct = scores(self.predict_logits(x), y)
+        return loss / len(y), correct / len(y)

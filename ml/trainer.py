@@ -4,8 +4,6 @@ strategy gives (``strategies.strategy.LocalObjective``: FedProx's proximal term,
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 from torch import nn
@@ -18,14 +16,6 @@ from strategies.strategy import PLAIN, LocalObjective
 class ObjectiveError(PeerError, ValueError):
     """A local objective whose vectors do not fit the model (the drift the server sent with a global model);
     ``str()`` is the one-line reason."""
-
-
-def scheduled_lr(base: float, schedule: str, round_: int, rounds: int) -> float:
-    """The learning rate of round ``round_`` (1-based) of ``rounds``: ``base`` throughout, or cosine annealing
-    η_r = η · ½ (1 + cos(π (r − 1) / R)) (Loshchilov & Hutter 2017, per round instead of per step)."""
-    if schedule == "cosine":
-        return base * 0.5 * (1.0 + math.cos(math.pi * (round_ - 1) / rounds))
-    return base
 
 
 class SGD:

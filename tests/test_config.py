@@ -70,7 +70,7 @@ def test_evaluation_sample_is_fixed_by_the_seed_and_drawn_from_the_test_split() 
 
 
 def test_cosine_schedule_anneals_from_the_base_rate_over_the_run() -> None:
-    from ml.trainer import scheduled_lr
+    from ml.schedule import scheduled_lr
 
     rates = [scheduled_lr(0.1, "cosine", r, 10) for r in range(1, 11)]
     assert rates[0] == 0.1

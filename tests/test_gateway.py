@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from edgefl.certs import make_node_keys, make_server_certs, make_submitter_certs
+from edgefl.gateway import Gateway
 from edgefl.launcher import FEDERATION, flower_env, run_flwr, write_flwr_home
-from edgefl.processes import LaunchError, free_port
+from edgefl.processes import LaunchError, ProcessGroup, free_port
 from netem.profiles import BUILTIN_LINKS
 from netem.testbed import SERVER_IP, Testbed
 from tests.conftest import processes_of
@@ -100,3 +102,16 @@ def test_a_stranger_reaches_only_the_fleet_api_and_a_submitter_gets_in(tmp_path:
         finally:
             assert server.interrupt() == 130
     assert not processes_of(tmp_path / "server")
+
+
+def test_the_gateway_serves_from_a_relative_log_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``edgefl compare``'s federations keep their logs under a relative ``--out`` (``runs/compare/...``): nginx,
+    which reads ``-c`` and ``-e`` relative to its prefix, must be given absolute paths (real nginx on loopback)."""
+    monkeypatch.chdir(tmp_path)
+    certs = make_server_certs(Path(".certs"), ["127.0.0.1"])
+    port = free_port()
+    with ProcessGroup(Path("runs/compare/home-wifi/logs"), dict(os.environ)) as procs:
+        folder = Gateway("127.0.0.1", port, free_port(), certs).start(procs, ())
+        assert folder.is_absolute() and (folder / "nginx.pid").exists()
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass

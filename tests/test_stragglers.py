@@ -18,9 +18,10 @@ from flwr.app import Error, Message, RecordDict
 from flwr.app.metadata import Metadata
 from flwr.common.constant import ErrorCode
 
+from edge.devices import AgentThreads
 from fl_server import engine
 from fl_server.engine import ReplyPuller
-from tests.conftest import processes_of, start_edgefl, wait_for_rows
+from tests.conftest import start_edgefl, wait_for_rows
 
 
 def _reply_to(message_id: str, error: Error | None = None) -> Message:
@@ -107,8 +108,8 @@ def test_a_silent_client_does_not_stall_the_run(run_dir: Path) -> None:
         "--rounds", "6", "--local-steps", "5", "--quorum", "0.6", "--round-deadline-s", "4", "--out", str(run_dir),
     )  # fmt: skip
     wait_for_rows(run_dir, 1, "round 1", proc=proc)
-    agent = next(line for line in processes_of(run_dir) if "fl_client.node" in line and ".node-2.ready" in line)
-    pid, log, deadline = int(agent.split()[0]), run_dir / "logs" / "agent-2.log", time.monotonic() + 60
+    pid = AgentThreads.load(run_dir / ".node-2.ready").pid  # the agent's own word (it is forked: no command line)
+    log, deadline = run_dir / "logs" / "agent-2.log", time.monotonic() + 60
     os.kill(pid, signal.SIGSTOP)
     while _sending(log):  # frozen while it hands a reply to its SuperNode: let it finish, so that no upload stalls
         os.kill(pid, signal.SIGCONT)

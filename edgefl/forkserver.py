@@ -1,0 +1,303 @@
+"""Agents and SuperNodes forked from a process that imported their code once.
+
+Four agents that each import torch, and four SuperNodes that each import Flower's client, cost a run's start ~20
+CPU seconds on a 2-core host before round 1 (``bench/startup.py``): the same modules, imported eight times. A
+fork server is a process of the run that imports them once (``preload``: a module's ``preload()`` hook) and then
+forks one child per request; each child runs its module's ``main()`` as ``python -m MODULE ARGS`` would, in a
+session of its own, with its output in its log, in a network namespace if asked. Agents and SuperNodes each get a
+server of their own, so that neither holds the other's modules in its memory (an agent's peak is measured).
+
+A real device starts its agent and SuperNode once, with ``python -m``; this is the local testbed's way to start
+many of them at once. The launcher side, ``ForkServer``, hands out ``ForkedProcess`` handles that a
+``ProcessGroup`` keeps beside its ``subprocess.Popen`` ones.
+
+    python -m edgefl.forkserver FD MODULE [MODULE ...]   (FD: the launcher's end of a socket pair)
+
+Requests and replies are JSON lines on the socket: ``{"module", "args", "log", "netns", "name"}`` → ``{"pid"}`` or
+``{"error"}``; a child's end → ``{"exited": PID, "code": CODE}`` (its wait status as ``Popen.returncode`` gives it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from contract.parent import signal_on_parent_death, started_at
+
+PR_SET_NAME = 15  # prctl(2)
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+POLL_S = 0.05  # how often a handle whose server is gone looks at /proc for its process
+FORK_TIMEOUT_S = 300.0  # for a server's answer: its preload takes seconds, tens on a loaded 2-core host
+
+
+class ForkedProcess:
+    """A process a fork server forked, with the parts of ``subprocess.Popen``'s interface a ``ProcessGroup`` and
+    its users use (``pid``, ``args``, ``poll``, ``wait``, ``send_signal``, ``returncode``). Its exit status comes
+    from the server, which reaps it; once the server is gone, a process no longer in /proc counts as ended (-1)."""
+
+    def __init__(self, args: list[str], log: Path, server: ForkServer) -> None:
+        self.args = args  # the command line that starts it without a fork server (``python -m MODULE ...``)
+        self.log = log
+        self.returncode: int | None = None
+        self._server = server
+        self._pid: int | None = None
+        self._error = ""
+        self._known = threading.Event()  # the pid, or the server's refusal, has come
+        self._ended = threading.Event()
+
+    @property
+    def pid(self) -> int:
+        """The child's PID, once the server has forked it (waits for that); OSError if it was not forked."""
+        if not self._known.wait(FORK_TIMEOUT_S):
+            raise OSError(f"the fork server did not answer within {FORK_TIMEOUT_S:.0f} s")
+        if self._pid is None:
+            raise OSError(self._error)
+        return self._pid
+
+    def poll(self) -> int | None:
+        gone = self._pid is None or started_at(self._pid) is None
+        if self.returncode is None and self._server.gone() and self._known.is_set() and gone:
+            self._set_ended(-1)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._ended.wait(POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic())))
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def _forked(self, pid: int | None, error: str = "") -> None:
+        self._pid, self._error = pid, error
+        self._known.set()
+        if pid is None:  # said where a failed start's reason is looked for: its log
+            with contextlib.suppress(OSError), open(self.log, "a") as log:
+                log.write(f"not started: {error}\n")
+            self._set_ended(-1)
+
+    def _set_ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._ended.set()
+
+
+class ForkServer:
+    """The launcher's side of a fork server: ``process`` runs ``argv()`` with ``child_fd`` passed to it
+    (``ProcessGroup.start_forkserver``); ``fork`` sends a request and returns its handle at once (the server answers
+    once its preload is done)."""
+
+    def __init__(self) -> None:
+        self._sock, child = socket.socketpair()
+        self.child_fd = child.detach()
+        self.process: Any = None  # set by ``serve``: what ``ProcessGroup.start`` returned
+        self._lock = threading.Lock()
+        self._asked: list[ForkedProcess] = []  # requests not answered yet, in order
+        self._forked: dict[int, ForkedProcess] = {}
+        self._gone = threading.Event()
+
+    def argv(self, *preload: str) -> list[str]:
+        """The server's command line, preloading the modules ``preload`` (each module's ``preload()``)."""
+        return [sys.executable, "-m", "edgefl.forkserver", str(self.child_fd), *preload]
+
+    def serve(self, process: Any) -> None:
+        """The server process has been started (its end of the socket passed to it): read its answers."""
+        self.process = process
+        os.close(self.child_fd)
+        threading.Thread(target=self._read, name="forkserver-replies", daemon=True).start()
+
+    def fork(self, module: str, args: list[str], log: Path, netns: str | None, command: list[str]) -> ForkedProcess:
+        """Ask for ``python -m module *args`` (in network namespace ``netns``, output appended to ``log``);
+        ``command``: the same process's command line without a fork server, kept as the handle's ``args``."""
+        handle = ForkedProcess(command, log, self)
+        request = {"module": module, "args": args, "log": str(log), "netns": netns, "name": log.stem}
+        with self._lock:
+            if self._gone.is_set():
+                handle._forked(None, "the fork server has ended")
+                return handle
+            self._asked.append(handle)
+            with contextlib.suppress(OSError):
+                self._sock.sendall(json.dumps(request).encode() + b"\n")
+        return handle
+
+    def gone(self) -> bool:
+        return self._gone.is_set()
+
+    def close(self) -> None:
+        """Close both ends of a server that was never started."""
+        with contextlib.suppress(OSError):
+            os.close(self.child_fd)
+        self._sock.close()
+        self._gone.set()
+
+    def _read(self) -> None:
+        with self._sock.makefile("rb") as replies:
+            for line in replies:
+                with contextlib.suppress(ValueError):
+                    self._answer(json.loads(line))
+        with self._lock:
+            self._gone.set()
+            for handle in self._asked:
+                handle._forked(None, "the fork server ended before it forked")
+            self._asked.clear()
+        self._sock.close()
+
+    def _answer(self, reply: dict[str, Any]) -> None:
+        with self._lock:
+            if "exited" in reply:
+                handle = self._forked.pop(int(reply["exited"]), None)
+                if handle is not None:
+                    handle._set_ended(int(reply["code"]))
+                return
+            handle = self._asked.pop(0)
+            if "pid" in reply:
+                self._forked[int(reply["pid"])] = handle
+                handle._forked(int(reply["pid"]))
+            else:
+                handle._forked(None, str(reply.get("error", "refused")))
+
+
+def _returncode(status: int) -> int:
+    """A wait status as ``Popen.returncode`` gives it: the exit code, or minus the signal that ended it."""
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _child(request: dict[str, Any], server: int, closed: list[int]) -> int:
+    """In the forked child: become ``python -m MODULE ARGS`` in a session of its own; returns its exit code."""
+    os.setsid()
+    for fd in closed:
+        os.close(fd)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal_on_parent_death(server)
+    _prctl(PR_SET_NAME, request["name"].encode()[:15], 0, 0, 0)  # what ps -o comm and top show: agent-0, ...
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(devnull)
+    try:
+        if request["netns"]:
+            from pyroute2 import netns
+
+            netns.setns(request["netns"], flags=0)  # 0: an existing one only
+        module = importlib.import_module(request["module"])
+        sys.argv = [module.__file__ or request["module"], *request["args"]]
+        module.main()
+        return 0
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+
+def serve(channel: socket.socket, preload: list[str]) -> None:
+    """Preload ``preload``, then fork a child per request and report each child's end, until the launcher closes
+    the channel (or SIGTERM comes) and every child has ended."""
+    for name in preload:
+        importlib.import_module(name).preload()
+    wakeup_r, wakeup_w = os.pipe()
+    os.set_blocking(wakeup_w, False)
+    signal.set_wakeup_fd(wakeup_w)
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears of each child's end
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    children: set[int] = set()
+    selector = selectors.DefaultSelector()
+    selector.register(channel, selectors.EVENT_READ)
+    selector.register(wakeup_r, selectors.EVENT_READ)
+    pending = b""  # requests received, up to the last whole line
+    open_channel = True
+    while (open_channel and not stopping) or children:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is channel:
+                data = channel.recv(65536)
+                if not data:
+                    open_channel = False
+                    selector.unregister(channel)
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    _fork(json.loads(line), channel, children, [channel.fileno(), wakeup_r, wakeup_w])
+            else:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wakeup_r, 512)
+        _reap(channel, children)
+
+
+def _fork(request: dict[str, Any], channel: socket.socket, children: set[int], closed: list[int]) -> None:
+    server = os.getpid()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        _say(channel, {"error": f"fork: {exc.strerror}"})
+        return
+    if pid == 0:
+        code = 1
+        try:
+            code = _child(request, server, closed)
+        finally:
+            os._exit(code)
+    children.add(pid)
+    _say(channel, {"pid": pid})
+
+
+def _reap(channel: socket.socket, children: set[int]) -> None:
+    for pid in list(children):
+        with contextlib.suppress(ChildProcessError):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == 0:
+                continue
+            _say(channel, {"exited": pid, "code": _returncode(status)})
+        children.discard(pid)
+
+
+def _say(channel: socket.socket, reply: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        channel.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def main() -> None:
+    fd, *preload = sys.argv[1:]
+    serve(socket.socket(fileno=int(fd)), preload)
+
+
+if __name__ == "__main__":
+    main()
