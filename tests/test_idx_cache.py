@@ -27,9 +27,12 @@ def test_a_cached_load_is_the_decoded_one(tmp_path: Path, cache: Path) -> None:
     data.mkdir()
     arrays = write_mnist_dir(data, np.random.default_rng(3), gz=True)
     first = load_dataset("mnist", str(data))
-    assert len(list(cache.glob("*.npy"))) == 4 and not list(cache.glob("*partial*"))
-    (images,) = cache.glob("train-images-idx3-ubyte.gz-*.npy")
+    assert len(list(cache.glob("*.counts.npy"))) == 4 and len(list(cache.glob("*.npy"))) == 8
+    assert not list(cache.glob("*partial*"))
+    (images,) = cache.glob("train-images-idx3-ubyte.gz-*[0-9a-f].npy")
     np.testing.assert_array_equal(np.load(images), arrays["train-images-idx3-ubyte"])
+    counts = np.load(images.with_name(f"{images.stem}.counts.npy"))  # the histogram the normalization comes from
+    np.testing.assert_array_equal(counts, np.bincount(arrays["train-images-idx3-ubyte"].ravel(), minlength=256))
     rows = partition_indices(first, parse_partition("iid"), 3, seed=0)[2]
     part = load_partition("mnist", str(data), parse_partition("iid"), 3, 0, 2)  # read from the cache
     np.testing.assert_array_equal(part.x_train.raw, first.x_train.raw[rows])
@@ -37,6 +40,21 @@ def test_a_cached_load_is_the_decoded_one(tmp_path: Path, cache: Path) -> None:
 
     np.save(images, np.zeros((30, 28, 28), np.uint8))  # what a load returns now comes from the cache
     assert not load_dataset("mnist", str(data)).x_train.raw.any()
+
+
+def test_a_cache_without_its_histogram_is_read_whole_once(tmp_path: Path, cache: Path) -> None:
+    """A cache written before histograms were kept beside it: read whole once (the histogram needs every byte),
+    its histogram saved; the rows are the same either way."""
+    data = tmp_path / "mnist"
+    data.mkdir()
+    write_mnist_dir(data, np.random.default_rng(6), gz=False)
+    first = load_dataset("mnist", str(data))
+    for counts in cache.glob("*.counts.npy"):
+        counts.unlink()
+    again = load_dataset("mnist", str(data))
+    assert len(list(cache.glob("*.counts.npy"))) == 4
+    np.testing.assert_array_equal(again.x_train.raw, first.x_train.raw)
+    assert (again.x_train.mean, again.x_train.std) == (first.x_train.mean, first.x_train.std)
 
 
 def test_a_changed_file_is_decoded_again(tmp_path: Path, cache: Path) -> None:
