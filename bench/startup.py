@@ -188,6 +188,7 @@ def remote_run(edgefl: str, common: list[str], args: argparse.Namespace, env: di
     start-up is not the run's)."""
     port = free_port()
     home = (args.out / "remote").resolve()
+    shutil.rmtree(home, ignore_errors=True)  # the logs of an earlier bench name another server's address
     with ProcessGroup(home / "processes", env) as procs:
         procs.start("edgefl-server", [edgefl, "server", "--listen", f"127.0.0.1:{port}", "--insecure",
                                "--out", str(home / "server")])  # fmt: skip
