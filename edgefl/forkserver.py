@@ -108,7 +108,7 @@ class ForkServer:
     def __init__(self) -> None:
         self._sock, child = socket.socketpair()
         self.child_fd = child.detach()
-        self.process: Any = None  # set by ``serve``: what ``ProcessGroup.start`` returned
+        self.process: subprocess.Popen[bytes] | None = None  # set by ``serve``: the server's process
         self._lock = threading.Lock()
         self._asked: list[ForkedProcess] = []  # requests not answered yet, in order
         self._forked: dict[int, ForkedProcess] = {}
@@ -118,7 +118,7 @@ class ForkServer:
         """The server's command line, preloading the modules ``preload`` (each module's ``preload()``)."""
         return [sys.executable, "-m", "edgefl.forkserver", str(self.child_fd), *preload]
 
-    def serve(self, process: Any) -> None:
+    def serve(self, process: subprocess.Popen[bytes]) -> None:
         """The server process has been started (its end of the socket passed to it): read its answers."""
         self.process = process
         os.close(self.child_fd)
