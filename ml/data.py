@@ -146,42 +146,37 @@ def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, n
                 if len(magic) < 4 or magic[:2] != b"\x00\x00" or magic[2] != 0x08:
                     raise DataError(f"{path} is not an idx file of unsigned bytes")
                 shape = tuple(int(size) for size in np.frombuffer(file.read(4 * magic[3]), dtype=">i4"))
-                with _cache_writer(cached, shape) as sink:
+                with cache_file(cached) as sink:
+                    if sink is not None:
+                        np.lib.format.write_array_header_1_0(
+                            sink, {"descr": "|u1", "fortran_order": False, "shape": shape}
+                        )
                     rows, counts = _read_rows(file, shape, keep, path, sink)
     except OSError as err:
         raise DataError(f"cannot read {path}: {one_line(err)}") from err
     if cached.is_file():
-        _save_whole(counted, counts)
+        with contextlib.suppress(OSError), cache_file(counted) as sink:
+            if sink is not None:
+                np.save(sink, counts, allow_pickle=False)
     return rows, counts
 
 
-def _save_whole(path: Path, array: np.ndarray) -> None:
-    """``array`` saved to ``path`` whole (renamed into place) or not at all (a cache that cannot be written)."""
+@contextlib.contextmanager
+def cache_file(path: Path) -> Iterator[BinaryIO | None]:
+    """A file of the on-disk cache, written beside ``path`` and renamed into place once the ``with`` ends without
+    an error (atomic: several processes may write the same entry at once); None when the cache's folder cannot be
+    written (the caller goes on without it)."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
-        with open(partial, "wb") as file:
-            np.save(file, array, allow_pickle=False)
-        os.replace(partial, path)
-    except OSError:
-        partial.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _cache_writer(cached: Path, shape: tuple[int, ...]) -> Iterator[BinaryIO | None]:
-    """A .npy file of uint8 ``shape`` that is written while the idx file is read, in place once whole (None: the
-    cache's folder cannot be written; the read goes on without it)."""
-    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         sink = open(partial, "wb")  # noqa: SIM115 — closed below, renamed only when whole
     except OSError:
         yield None
         return
     try:
-        np.lib.format.write_array_header_1_0(sink, {"descr": "|u1", "fortran_order": False, "shape": shape})
         yield sink
         sink.close()
-        os.replace(partial, cached)  # atomic: several processes may decode the same file at once
+        os.replace(partial, path)
     finally:
         sink.close()
         partial.unlink(missing_ok=True)

@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from importlib.metadata import version
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ml.catalog import AUTO, resolve_model
-from ml.data import Dataset, cache_dir
+from ml.data import Dataset, cache_dir, cache_file
 from strategies.codecs.base import Layout
 
 SOURCES = ("models.py", "onnx.py", "model_card.py")  # in ml/: the code a card is made by (onnx.py: the opset too)
@@ -80,17 +79,10 @@ def card_path(dataset: Dataset, seed: int, model: str) -> Path:
 
 
 def _write(path: Path, card: ModelCard) -> None:
-    """Write ``card`` to ``path`` whole (renamed into place: several processes may write one at once), or not at
-    all when the cache cannot be written."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(partial, "wb") as file:
+    """Write ``card`` to ``path`` whole (``ml.data.cache_file``), or not at all when the cache cannot be written."""
+    with contextlib.suppress(OSError), cache_file(path) as sink:
+        if sink is not None:
             np.savez(
-                file, params=card.params, layout=np.array(json.dumps(card.layout)),
+                sink, params=card.params, layout=np.array(json.dumps(card.layout)),
                 graph=np.frombuffer(card.graph, np.uint8),
             )  # fmt: skip
-        os.replace(partial, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)

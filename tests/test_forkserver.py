@@ -87,15 +87,14 @@ def test_a_killed_child_reports_its_signal_and_a_killed_server_takes_its_childre
     assert "not started: the fork server" in _log(group, "late")
 
 
-def test_stopping_the_group_leaves_nothing_running(tmp_path: Path) -> None:
-    (tmp_path / "forked_demo.py").write_text(MODULE)
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
-    with ProcessGroup(tmp_path / "logs", env) as procs:
-        server = procs.start_forkserver("forkserver", "forked_demo")
-        forked = [procs.fork(server, f"demo-{i}", "forked_demo", ["wait"], None, []) for i in range(3)]
-        procs.wait_until("the forks", lambda: all(_log(procs, f"demo-{i}") for i in range(3)), 60)
-        pids = [server.process.pid, *(proc.pid for proc in forked)]
-        assert set(pids) <= set(process_tree([os.getpid()]))
+def test_stopping_the_group_leaves_nothing_running(group: ProcessGroup) -> None:
+    server = group.start_forkserver("forkserver", "forked_demo")
+    forked = [group.fork(server, f"demo-{i}", "forked_demo", ["wait"], None, []) for i in range(3)]
+    group.wait_until("the forks", lambda: all(_log(group, f"demo-{i}") for i in range(3)), 60)
+    assert server.process is not None
+    pids = [server.process.pid, *(proc.pid for proc in forked)]
+    assert set(pids) <= set(process_tree([os.getpid()]))
+    group.stop()
     assert not set(pids) & set(process_tree([os.getpid()]))
     assert all(proc.returncode is not None for proc in forked)
 
