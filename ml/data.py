@@ -19,7 +19,7 @@ import os
 import re
 import string
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -52,6 +52,7 @@ MIN_SPEAKER_CHARS = 1000  # speakers with less text are dropped (their 10% test 
 MAX_SAMPLES_PER_SPEAKER = 300  # windows are strided to this cap: ~170k train samples, ~110 MB as int64
 SPEAKER_TRAIN_FRACTION = 0.9
 _SHAKESPEARE_CACHE_VERSION = 1  # bump when the parsing or sampling rules change
+_DIGITS_CACHE_VERSION = 1  # bump when the split changes
 _SECTION_HEADING = re.compile(r"^(ACT|SCENE|INDUCTION|PROLOGUE|EPILOGUE)\b", re.IGNORECASE)
 _SPEAKER_HEADING = re.compile(r"^[A-Z][A-Za-z'&-]*\.?( [A-Za-z'&-]+\.?){0,3}$")
 _STAGE_DIRECTION = re.compile(r"\[[^\]]*\]?")
@@ -105,7 +106,18 @@ def _image_dataset(
 
 
 def _load_digits() -> Dataset:
-    """scikit-learn's 8x8 digits with a fixed (seed 0) stratified 80/20 train/test split."""
+    """scikit-learn's 8x8 digits with a fixed (seed 0) stratified 80/20 train/test split, cached on disk once split
+    (keyed by scikit-learn's version): importing scikit-learn takes a core ~1.5 s, which the command, the server and
+    every device on this machine would each pay."""
+    version = importlib.metadata.version("scikit-learn")
+    cache = cache_dir() / f"digits-{version}-v{_DIGITS_CACHE_VERSION}.npz"
+    split = _cached_arrays(cache, _split_digits)
+    return _image_dataset(
+        "digits", split["x_train"], split["y_train"], split["x_test"], split["y_test"], num_classes=10, divisor=16.0
+    )
+
+
+def _split_digits() -> dict[str, np.ndarray]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -114,7 +126,20 @@ def _load_digits() -> Dataset:
     x_train, x_test, y_train, y_test = train_test_split(
         images, digits.target, test_size=0.2, stratify=digits.target, random_state=0
     )
-    return _image_dataset("digits", x_train, y_train, x_test, y_test, num_classes=10, divisor=16.0)
+    return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+
+
+def _cached_arrays(path: Path, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays of the .npz cache entry ``path``; built by ``build`` and cached first when it is not there (a
+    cache that cannot be written is skipped)."""
+    if path.is_file():
+        with np.load(path) as cached:
+            return {name: cached[name] for name in cached.files}
+    arrays = build()
+    with contextlib.suppress(OSError), cache_file(path) as sink:
+        if sink is not None:
+            np.savez(sink, **arrays)
+    return arrays
 
 
 def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -287,24 +312,17 @@ def _load_shakespeare() -> Dataset:
         )
     version = importlib.metadata.version("shakespeare")
     cache = cache_dir() / f"shakespeare-{version}-v{_SHAKESPEARE_CACHE_VERSION}.npz"
-    if not cache.is_file():
-        arrays = _shakespeare_arrays(Path(spec.origin).parent / "texts")
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
-        with partial.open("wb") as file:
-            np.savez(file, **arrays)
-        os.replace(partial, cache)  # atomic, so concurrent clients never read a half-written file
-    with np.load(cache) as arrays:
-        return Dataset(
-            name="shakespeare",
-            kind="text",
-            x_train=Rows(arrays["x_train"].astype(np.uint8)),
-            y_train=arrays["y_train"].astype(np.int64),
-            x_test=Rows(arrays["x_test"].astype(np.uint8)),
-            y_test=arrays["y_test"].astype(np.int64),
-            num_classes=len(CHAR_VOCAB),
-            natural_ids=arrays["natural_ids"].astype(np.int64),
-        )
+    arrays = _cached_arrays(cache, lambda: _shakespeare_arrays(Path(spec.origin).parent / "texts"))
+    return Dataset(
+        name="shakespeare",
+        kind="text",
+        x_train=Rows(arrays["x_train"].astype(np.uint8)),
+        y_train=arrays["y_train"].astype(np.int64),
+        x_test=Rows(arrays["x_test"].astype(np.uint8)),
+        y_test=arrays["y_test"].astype(np.int64),
+        num_classes=len(CHAR_VOCAB),
+        natural_ids=arrays["natural_ids"].astype(np.int64),
+    )
 
 
 def _is_speaker_heading(line: str, has_speech: bool) -> bool:

@@ -2,7 +2,10 @@
 ``edgefl.cli.main``), wait for a run's rows, and find processes a run left behind.
 
 Tests that start a deployment, a simulation or a Flower process are marked ``federation``; the rest, the fast
-tier, run with ``pytest -m "not federation"``."""
+tier, run with ``pytest -m "not federation"``. The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``):
+tests that share one federation (``shared_federation``) or start Ray are marked with one ``xdist_group`` so that
+they run on one worker, one after another; every check for what a test left behind counts only its own processes
+and namespaces."""
 
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ class SharedFederation:
         from edgefl.launcher import local_federation
 
         self.home = home
-        self.testbed_before = testbed_devices() if profile != "loopback" else None
+        self.testbed_before = (namespaces_of(), host_testbed_links()) if profile != "loopback" else None
         self.stack = contextlib.ExitStack()
         config = build_config(dataset="digits", partition="iid", clients=clients, profile=profile, out=str(home))
         self.federation = self.stack.enter_context(local_federation(config, home, lambda line: None))
@@ -157,16 +160,27 @@ class SharedFederation:
             os.kill(int(line.split()[0]), signal.SIGKILL)
         assert not left, f"processes left running: {left}"
         if self.testbed_before is not None:
-            assert testbed_devices() == self.testbed_before, "namespaces or host devices left behind"
+            left_behind = (namespaces_of(), host_testbed_links()) != self.testbed_before
+            assert not left_behind, "namespaces or host devices left behind"
 
 
-def testbed_devices() -> tuple[set[str], set[str]]:
-    """The testbeds' network namespaces, and their devices (veths, TUNs, ifbs, with their qdiscs) on the host."""
-    from pyroute2 import IPRoute, netns
+def namespaces_of(pid: int | None = None) -> set[str]:
+    """The network namespaces of the testbeds that process ``pid`` (this one by default) started: the launcher tags
+    them with its pid (``edgefl.launcher.placement_for``), so the testbed of a test running beside this one (the
+    suite runs on pytest-xdist workers) is not counted."""
+    from pyroute2 import netns
+
+    tag = f"efl-{(os.getpid() if pid is None else pid) % 100000}-"
+    return {name for name in netns.listnetns() if name.startswith(tag)}
+
+
+def host_testbed_links() -> set[str]:
+    """The testbeds' devices (veths, TUNs, ifbs, each with its qdiscs) that are in the host's namespace: none, while
+    every testbed keeps its devices in its own namespaces."""
+    from pyroute2 import IPRoute
 
     with IPRoute() as ip:
-        links = {name for link in ip.get_links() if (name := link.get_attr("IFLA_IFNAME")).startswith("efl")}
-    return {name for name in netns.listnetns() if name.startswith("efl-")}, links
+        return {name for link in ip.get_links() if (name := link.get_attr("IFLA_IFNAME")).startswith("efl")}
 
 
 _shared: dict[tuple[int, str], SharedFederation] = {}  # one at a time
@@ -214,6 +228,18 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _close_shared()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest first: tests that start a deployment run before the rest, so that on pytest-xdist's workers the
+    short ones fill the gaps at the end; the tests of one ``xdist_group`` (one shared federation, or Ray) one after
+    another, as they are sent to one worker (``--dist loadgroup``)."""
+
+    def key(item: pytest.Item) -> tuple[bool, str]:
+        group = item.get_closest_marker("xdist_group")
+        return item.get_closest_marker("federation") is None, group.args[0] if group else ""
+
+    items.sort(key=key)
 
 
 def start_edgefl(*args: str) -> subprocess.Popen[str]:

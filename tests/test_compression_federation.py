@@ -15,6 +15,7 @@ from strategies.codecs import dense_payload_size
 pytestmark = pytest.mark.federation
 
 
+@pytest.mark.xdist_group("federation-2-loopback")
 def test_compressed_both_ways_cuts_the_uplink_and_the_downlink(tmp_path: Path, shared_federation) -> None:
     """top-k 5 % up and int8 deltas down. Up: 5 % of the entries as (uint16 index, fp16 value) plus headers and
     Flower's per-message overhead, against the dense float32 update. Down: after the first round (every client

@@ -4,6 +4,7 @@ scheme says. Data sets that are not installed here are skipped, not faked."""
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -83,6 +84,30 @@ def test_digits_loads_with_a_fixed_stratified_split(digits: Dataset) -> None:
     assert np.abs(train_share - test_share).max() < 0.01
     again = load_dataset("digits")
     assert np.array_equal(again.x_train.raw, digits.x_train.raw) and np.array_equal(again.y_test, digits.y_test)
+
+
+def test_digits_split_once_then_read_from_the_cache_without_scikit_learn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device's agent loads the digits from the cache: scikit-learn is imported by the first load only."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = load_dataset("digits")
+    assert [path.name for path in (tmp_path / "edgefl").iterdir()] == [
+        f"digits-{importlib.metadata.version('scikit-learn')}-v1.npz"
+    ]
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # importing it now raises ImportError
+    second = load_dataset("digits")
+    for split in ("x_train", "x_test"):
+        assert np.array_equal(getattr(first, split).raw, getattr(second, split).raw)
+        assert getattr(first, split).mean == getattr(second, split).mean
+    assert np.array_equal(first.y_train, second.y_train) and np.array_equal(first.y_test, second.y_test)
+
+
+def test_an_unwritable_cache_still_loads_the_digits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert len(load_dataset("digits").y_train) == 1437
 
 
 @needs_fashion

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pyroute2 import IPRoute, netns
 
 from contract.run_folder import (
     CHECKPOINT,
@@ -48,7 +47,15 @@ from strategies.codecs import make_client_codec, parse_codec
 from strategies.dga import DGAServer
 from strategies.downlink import model_digest
 from strategies.rounds import MAX_FAILED_REPLIES, RoundEngine, Update
-from tests.conftest import edgefl, processes_of, rows_so_far, start_edgefl, wait_for_rows
+from tests.conftest import (
+    edgefl,
+    host_testbed_links,
+    namespaces_of,
+    processes_of,
+    rows_so_far,
+    start_edgefl,
+    wait_for_rows,
+)
 
 LAYOUT = (("w", (2,)),)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -219,18 +226,6 @@ def test_malformed_fault_commands_are_refused(wire, command: str) -> None:
 FAST = {"dataset": "digits", "partition": "iid", "local_steps": 5}
 
 
-def _efl_namespaces() -> set[str]:
-    """The namespaces of this process's testbeds (``edgefl.launcher.placement_for``'s tag): another process's
-    testbed, on a machine shared with other runs, is not ours to count."""
-    return {name for name in netns.listnetns() if name.startswith(f"efl-{os.getpid() % 100000}-")}
-
-
-def _efl_host_links() -> set[str]:
-    """The testbed's devices (veths, TUNs, ifbs, each with its qdiscs) that are in the host's namespace."""
-    with IPRoute() as ip:
-        return {name for link in ip.get_links() if (name := link.get_attr("IFLA_IFNAME")).startswith("efl")}
-
-
 @contextlib.contextmanager
 def federation(
     config: RunConfig, before_submit: Callable[[str, ProcessGroup], None] = lambda address, procs: None
@@ -256,10 +251,10 @@ def _finish(config: RunConfig, procs: ProcessGroup, run_dir: Path) -> list[dict]
 @pytest.fixture
 def clean_testbed() -> Iterator[None]:
     """The test leaves no namespace behind, nor a device (with its qdiscs) on the host."""
-    namespaces, links = _efl_namespaces(), _efl_host_links()
+    namespaces, links = namespaces_of(), host_testbed_links()
     yield
-    assert _efl_namespaces() == namespaces, "namespaces left behind"
-    assert _efl_host_links() == links, "devices left behind on the host"
+    assert namespaces_of() == namespaces, "namespaces left behind"
+    assert host_testbed_links() == links, "devices left behind on the host"
 
 
 TESTBED = {**FAST, "strategy": "dga:1", "clients": 3, "quorum": 0.6, "round_deadline_s": 8.0}  # over home-wifi
@@ -368,6 +363,7 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
 @pytest.mark.federation
 @pytest.mark.root
 @needs_root
+@pytest.mark.xdist_group("federation-3-home-wifi")
 def test_a_client_whose_link_is_down_for_20_s_rejoins(run_dir: Path, shared_federation) -> None:
     """On the testbed federation the next test submits its run to too (``SharedFederation``)."""
     shared = shared_federation(3, "home-wifi")
@@ -392,6 +388,7 @@ def test_a_client_whose_link_is_down_for_20_s_rejoins(run_dir: Path, shared_fede
 @pytest.mark.federation
 @pytest.mark.root
 @needs_root
+@pytest.mark.xdist_group("federation-3-home-wifi")
 def test_a_loss_burst_and_a_stall_slow_their_client_not_the_run(run_dir: Path, shared_federation) -> None:
     shared = shared_federation(3, "home-wifi")
     testbed, procs = shared.federation.place.testbed, shared.federation.procs
@@ -511,6 +508,7 @@ def test_a_server_killed_mid_run_resumes_from_its_checkpoint(killed_run: KilledR
 
 
 @pytest.mark.federation
+@pytest.mark.xdist_group("federation-2-loopback")
 def test_a_run_whose_training_diverges_on_every_client_stops_with_the_reason(run_dir: Path, shared_federation) -> None:
     """Resending the global model cannot help a client whose training gives NaN: the run ends, with one line (the
     one ``edgefl run`` prints after ``edgefl: error:``)."""

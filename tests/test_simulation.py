@@ -36,6 +36,7 @@ from strategies.sampling import Sampler
 from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_rows
 
 DIGITS = ["--dataset", "digits", "--partition", "iid", "--local-steps", "3"]
+ONE_RAY = pytest.mark.xdist_group("ray")  # on one pytest-xdist worker, one after another: one Ray at a time
 
 
 def test_the_clock_adds_fixed_cost_round_trips_transfer_and_training() -> None:
@@ -87,6 +88,7 @@ def test_a_mixed_fleet_repeats_its_lists_over_the_clients() -> None:
 
 
 @pytest.mark.federation
+@ONE_RAY
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox:0.1", "scaffold"])
 def test_a_simulation_and_a_deployment_train_the_same_global_model(
     tmp_path: Path, run_dir: Path, strategy: str, shared_federation
@@ -112,6 +114,7 @@ def test_a_simulation_and_a_deployment_train_the_same_global_model(
 
 
 @pytest.mark.federation
+@ONE_RAY
 def test_fedbuff_takes_updates_in_the_order_the_clock_gives_them_and_ctrl_c_stops_ray(run_dir: Path) -> None:
     """FedBuff, one update a step, a laptop on a LAN beside a Raspberry Pi 3 on an IoT uplink, the clock's unit
     pinned: every message's modelled round trip is the clock's formula for its bytes and steps, and the fast
@@ -145,6 +148,7 @@ def test_fedbuff_takes_updates_in_the_order_the_clock_gives_them_and_ctrl_c_stop
 
 
 @pytest.mark.federation
+@ONE_RAY
 def test_a_round_deadline_passes_at_its_modelled_time(run_dir: Path) -> None:
     """A laptop on a LAN answers in about half a modelled second, a Pi 3 on an IoT uplink in about eleven (0.48 s,
     five 200 ms round trips, ~150 kB up at 0.25 Mbit/s, its own handling of both messages at 0.067 of a core):
@@ -198,6 +202,7 @@ def test_a_pipelined_client_trains_round_after_round_and_waits_only_at_the_stale
 
 
 @pytest.mark.federation
+@ONE_RAY
 def test_a_simulated_dga_runs_the_deployments_pipeline(run_dir: Path) -> None:
     """DGA with every client in every round is timed as the agent's pipeline (``ClientTimeline``): each message
     asks for one round, held for and recorded as training exactly that round's modelled time on its device. With

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
-from pyroute2 import netns
 
 from contract.run_folder import read_rounds
 from strategies.sampling import Sampler
-from tests.conftest import edgefl
+from tests.conftest import namespaces_of, start_edgefl
 
 pytestmark = [
     pytest.mark.federation,
@@ -23,16 +23,19 @@ pytestmark = [
 FAST = ["--dataset", "digits", "--partition", "iid", "--local-steps", "5"]
 
 
-def _namespaces() -> set[str]:
-    return {name for name in netns.listnetns() if name.startswith("efl-")}
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """``edgefl run ARGS`` as a user types it; the namespaces its testbed made (tagged with its pid) are gone."""
+    proc = start_edgefl("run", *args)
+    out, err = proc.communicate(timeout=600)
+    assert not namespaces_of(proc.pid), "namespaces left behind"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_four_clients_two_per_round_with_dga_over_long_distance(run_dir: Path) -> None:
     """Partial participation in a deployment: each round is trained and closed by exactly its sampled pair, and
     no training message goes to a client for rounds it sits out."""
-    before = _namespaces()
-    done = edgefl("run", *FAST, "--clients", "4", "--clients-per-round", "2", "--strategy", "dga:1", "--rounds", "3",
-                  "--profile", "long-distance", "--out", str(run_dir))  # fmt: skip
+    done = _run(*FAST, "--clients", "4", "--clients-per-round", "2", "--strategy", "dga:1", "--rounds", "3",
+                "--profile", "long-distance", "--out", str(run_dir))  # fmt: skip
     assert done.returncode == 0, done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 3 and summary["link_profile"] == "long-distance"
@@ -42,7 +45,6 @@ def test_four_clients_two_per_round_with_dga_over_long_distance(run_dir: Path) -
     assert [(r["clients"], r["closed_by"]) for r in rows] == [(sorted(sampler.clients(t)), "all") for t in (1, 2, 3)]
     for message in read_rounds(run_dir, "messages.jsonl"):
         assert all(message["partition"] in sampler.clients(t) for t in message["rounds"])
-    assert _namespaces() == before
 
 
 def test_fedbuff_over_per_client_links_from_a_profiles_file(run_dir: Path, tmp_path: Path) -> None:
@@ -52,13 +54,11 @@ def test_fedbuff_over_per_client_links_from_a_profiles_file(run_dir: Path, tmp_p
         '[pi-on-4g]\nsource = "this test"\n'
         "[pi-on-4g.up]\ndelay_ms = 40\nrate_mbit = 8\n[pi-on-4g.down]\ndelay_ms = 40\nrate_mbit = 20\n"
     )
-    before = _namespaces()
-    done = edgefl("run", *FAST, "--clients", "2", "--rounds", "4", "--strategy", "fedbuff:1",
-                  "--profile", "home-wifi,pi-on-4g", "--profiles", str(links), "--out", str(run_dir))  # fmt: skip
+    done = _run(*FAST, "--clients", "2", "--rounds", "4", "--strategy", "fedbuff:1",
+                "--profile", "home-wifi,pi-on-4g", "--profiles", str(links), "--out", str(run_dir))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = read_rounds(run_dir)
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert all(r["closed_by"] == "buffer" and len(r["clients"]) == 1 for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["strategy"] == "fedbuff:1" and summary["link_profile"] == "home-wifi,pi-on-4g"
-    assert _namespaces() == before
