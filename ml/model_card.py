@@ -11,7 +11,6 @@ check fills it, so the ServerApp finds it there."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ml.catalog import AUTO, resolve_model
-from ml.data import Dataset, cache_dir, cache_file
+from ml.data import Dataset, cache_dir, cached_arrays
 from strategies.codecs.base import Layout
 
 SOURCES = ("models.py", "onnx.py", "model_card.py")  # in ml/: the code a card is made by (onnx.py: the opset too)
@@ -41,20 +40,20 @@ class ModelCard:
 def model_card(dataset: Dataset, seed: int, model: str = AUTO) -> ModelCard:
     """The card of the model ``model`` (a name in ``ml.catalog.MODELS``, or ``auto``) for ``dataset`` seeded with
     ``seed``: read from the cache, else built in a child process (raises ModelError if the model does not fit)."""
-    path = card_path(dataset, seed, model)
-    if path.is_file():
-        with np.load(path) as card:
-            layout = tuple((name, tuple(shape)) for name, shape in json.loads(str(card["layout"])))
-            return ModelCard(card["params"], layout, card["graph"].tobytes())
+    arrays = cached_arrays(card_path(dataset, seed, model), lambda: _arrays(_build_in_child(dataset, seed, model)))
+    layout = tuple((name, tuple(shape)) for name, shape in json.loads(str(arrays["layout"])))
+    return ModelCard(arrays["params"], layout, arrays["graph"].tobytes())
+
+
+def _build_in_child(dataset: Dataset, seed: int, model: str) -> ModelCard:
+    """``build_card`` in a short-lived child process, the one that imports torch; it is sent the data's shape only."""
     one_row = np.arange(1)  # all the build reads of the data: its kind, classes, and one example's shape and dtype
     shape_only = replace(
         dataset, x_train=dataset.x_train.subset(one_row), y_train=dataset.y_train[:1],
         x_test=dataset.x_test.subset(one_row), y_test=dataset.y_test[:1], natural_ids=None,
     )  # fmt: skip
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
-        card = child.submit(build_card, shape_only, seed, model).result()
-    _write(path, card)
-    return card
+        return child.submit(build_card, shape_only, seed, model).result()
 
 
 def build_card(dataset: Dataset, seed: int, model: str) -> ModelCard:
@@ -78,11 +77,7 @@ def card_path(dataset: Dataset, seed: int, model: str) -> Path:
     return cache_dir() / "models" / f"{name}-{key.hexdigest()[:24]}.npz"
 
 
-def _write(path: Path, card: ModelCard) -> None:
-    """Write ``card`` to ``path`` whole (``ml.data.cache_file``), or not at all when the cache cannot be written."""
-    with contextlib.suppress(OSError), cache_file(path) as sink:
-        if sink is not None:
-            np.savez(
-                sink, params=card.params, layout=np.array(json.dumps(card.layout)),
-                graph=np.frombuffer(card.graph, np.uint8),
-            )  # fmt: skip
+def _arrays(card: ModelCard) -> dict[str, np.ndarray]:
+    """``card`` as the arrays of its cache entry."""
+    layout = np.array(json.dumps(card.layout))
+    return {"params": card.params, "layout": layout, "graph": np.frombuffer(card.graph, np.uint8)}
