@@ -486,10 +486,14 @@ class Attacker:
                 Target(answered, base, _layout(), self.last_honest, self.answered, victim, marker)
             )
             assert isinstance(reply, Message)
-            fl_client.tasks._push_reply(client, reply)
+            stopped = {}
+            try:
+                fl_client.tasks._push_reply(client, reply)
+            except Exception as exc:  # whatever its own SuperNode answered is the outcome
+                stopped = {"push_refused": f"{type(exc).__name__}: {exc}"}
             self._log(round_, name, FORGED, answers=answered.metadata.message_id,
                       target=reply.metadata.reply_to_message_id, as_node=reply.metadata.src_node_id,
-                      victim_node=victim.node, marker=marker)  # fmt: skip
+                      victim_node=victim.node, marker=marker, **stopped)  # fmt: skip
 
     def _victim(self) -> Victim | None:
         """The other device (its node, partition, size, and the message it holds unanswered), read from its logs

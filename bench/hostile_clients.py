@@ -349,8 +349,8 @@ def attack_outcomes(run: Run) -> list[dict[str, Any]]:
 
 def _forged_outcome(entry: dict[str, Any], run: Run, superlink_log: str) -> dict[str, Any]:
     """A forged reply reached the server when it settled a message with it (its marked training time), and was taken
-    unless the server refused an update of that partition in that round; else the SuperLink's log line about it,
-    if it wrote one."""
+    unless the server refused an update of that partition in that round; else the error its push met at the device's
+    own SuperNode, or the SuperLink's log line about it, if it wrote one."""
     settled = [m for m in run.messages if abs(m["train_s"] - entry["marker"]) < 1e-6]
     if settled:
         trip = settled[0]
@@ -362,6 +362,8 @@ def _forged_outcome(entry: dict[str, Any], run: Run, superlink_log: str) -> dict
         then = f"; that node's own reply: {_strip_ansi(said[0]).strip()}" if said else ""
         return {"refused": False, "by": "—", "reason": f"TAKEN: the server counted it as node {trip['node']}'s "
                 f"reply (partition {trip['partition']}, round {entry['round']}){then}"}  # fmt: skip
+    if "push_refused" in entry:  # its own SuperNode did not take it whole (seen: the task's push session had ended)
+        return {"refused": True, "by": "the attacker's SuperNode", "reason": entry["push_refused"]}
     said = [line.strip() for line in superlink_log.splitlines() if entry["target"] in line]
     reason = _strip_ansi(said[0]) if said else "not stored: the SuperLink wrote no line about it"
     return {"refused": True, "by": "SuperLink", "reason": reason}

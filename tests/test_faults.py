@@ -238,6 +238,7 @@ def federation(
         save_config(local.config, run_dir / "config.toml")
         before_submit(local.address, local.procs)
         local.submit(local.config, run_dir)
+        local.place_devices()
         yield local.place.testbed, local.procs, run_dir
 
 
@@ -301,8 +302,11 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
     the task it held with an error at once, and the server sends the model again) and of client 2's SuperNode under
     a running agent (it comes back under a new node id: a spare until Flower drops the dead node, 60 s without its
     heartbeats, or less if Flower drops it sooner; then it trains again). The run has rounds enough for both
-    comebacks on a loaded host: the test waits for each (bounded), then stops it."""
-    config = _testbed_config(run_dir, rounds=1000, clients=4, quorum=0.5, round_deadline_s=4.0, local_steps=300)
+    comebacks on a loaded host: the test waits for each (bounded), then stops it. Client 3 trains on a Raspberry
+    Pi 3's core (a cgroup CPU cap), so that it holds each task for seconds while the others train briefly: the
+    minute of waiting for Flower costs the machine little."""
+    config = _testbed_config(run_dir, rounds=1000, clients=4, quorum=0.5, round_deadline_s=4.0, local_steps=60,
+                             device_profile="laptop,laptop,laptop,rpi3")  # fmt: skip
     with federation(config) as (_, procs, run_dir):
         wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
         named = dict(procs.procs)
@@ -320,13 +324,6 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         killed_after = len(rows_so_far(run_dir))
-        # Its device starts the agent again at once (same namespace, port and held tasks) as ``edgefl client``
-        # does: without the launcher's preload of the coming run (its data loads with its first message). Its
-        # start-up (tens of seconds on a loaded host) must end within Flower's 60 s task expiry for it to answer
-        # the task it held itself.
-        ready = Path(agent_argv[agent_argv.index("--ready-file") + 1])
-        ready.unlink()
-        agent = procs.start("agent-restarted", agent_argv[: agent_argv.index("--job")])
         # The run goes on without them: a round closes at its deadline with the quorum, without clients 2 and 3.
         wait_for_rows(
             run_dir,
@@ -335,6 +332,13 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
             ),
             "a quorum without clients 2 and 3",
         )
+        # Then its device starts the agent again (same namespace, port and held tasks) as ``edgefl client`` does:
+        # without the launcher's preload of the coming run (its data loads with its first message). Its start-up
+        # (tens of seconds on a loaded host) must end within Flower's 60 s task expiry for it to answer the task it
+        # held itself.
+        ready = Path(agent_argv[agent_argv.index("--ready-file") + 1])
+        ready.unlink()
+        agent = procs.start("agent-restarted", agent_argv[: agent_argv.index("--job")])
         restarted_after = len(rows_so_far(run_dir))
         procs.start("supernode-restarted", killed["supernode"].args)
         _wait_ready(agent, ready)
@@ -419,11 +423,12 @@ def test_a_run_trains_exactly_its_partitions_and_keeps_a_second_claim_as_a_spare
 
     def start_extras(address: str, procs: ProcessGroup) -> None:
         """Both extras are connected before the run starts, so the server meets four nodes at once."""
-        for name, node_config in extras.items():
-            runtime = NodeRuntime.create(run_dir, name)
+        runtimes = {name: NodeRuntime.create(run_dir, name) for name in extras}
+        for name, runtime in runtimes.items():  # both start up side by side
             procs.start(f"agent-{name}", runtime.agent_argv(*preload.get(name, [])))
+        for name, runtime in runtimes.items():
             procs.wait_until(f"agent {name}", runtime.ready_file.exists, 90)
-            procs.start(f"supernode-{name}", supernode_argv(address, None, node_config, serve=runtime))
+            procs.start(f"supernode-{name}", supernode_argv(address, None, extras[name], serve=runtime))
         for name in [*extras, "0", "1"]:
             log = procs.log_dir / f"supernode-{name}.log"
             procs.wait_until(f"SuperNode {name}", lambda log=log: "SuperNode ID:" in tail(log, 200), 90)

@@ -139,9 +139,13 @@ print(json.dumps(sorted(name for name in sys.modules if name.split(".")[0] == "t
 """
 
 
-def test_a_warm_card_keeps_torch_out_of_the_server(digits: Dataset, tmp_path: Path, cache: Path) -> None:
+def test_a_warm_card_keeps_torch_out_of_the_server(
+    digits: Dataset, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The server's model path — the loop's start model and layout, a round's evaluation, the final model's export —
-    in a fresh interpreter, with the card and the split cached (as ``edgefl run``'s pre-run check leaves them)."""
+    in a fresh interpreter, with the card and the split cached (as ``edgefl run``'s pre-run check leaves them; the
+    card built here, in this process that has torch already, not in a child as the check builds it)."""
+    monkeypatch.setattr(ml.model_card, "_build_in_child", build_card)
     model_card(digits, seed=0)
     one_partition(digits, parse_partition("iid"), 2, 0, 0)
     env = {**os.environ, "XDG_CACHE_HOME": str(cache.parents[1])}

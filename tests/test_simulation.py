@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +23,7 @@ from contract.run_folder import RunFolder, read_rounds
 from contract.settings import ConfigError, build_config
 from edge.devices import device_profile
 from edgefl import cli
+from edgefl.processes import free_port
 from netem.clock import (
     DEVICE_FIXED_S,
     DEVICE_S_PER_MB,
@@ -37,6 +45,53 @@ from tests.conftest import edgefl, processes_of, start_edgefl, wait_for_rows
 
 DIGITS = ["--dataset", "digits", "--partition", "iid", "--local-steps", "3"]
 ONE_RAY = pytest.mark.xdist_group("ray")  # on one pytest-xdist worker, one after another: one Ray at a time
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[str]:
+    """A Ray head on this machine, started as a user starts one for ``--ray-address`` (``ray start --head``, here
+    ``--block`` so that its processes end with it), that the simulations below join instead of starting Ray each;
+    its address. Stopped after the last (SIGTERM: Ray stops every process it started), and found to leave nothing
+    running in its session. The Ctrl-C test starts Ray itself: that its run stops Ray is what it tests."""
+    temp_dir = tempfile.mkdtemp(prefix="efl-ray-")  # short: Ray's sockets live under it (a 107-byte path limit)
+    port = free_port()
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         "--port", str(port), "--num-cpus", str(os.cpu_count()), "--include-dashboard", "false",
+         "--disable-usage-stats", "--temp-dir", temp_dir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(temp_dir, "ray_current_cluster").exists():  # written once the head is up
+            assert head.poll() is None, f"ray start exited {head.returncode}: {head.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "the Ray head did not come up within 120 s"
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.terminate()
+        head.wait(timeout=60)
+        deadline = time.monotonic() + 30  # Ray's agents notice their raylet is gone and exit on their own
+        while (left := _in_session(head.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not left, f"the Ray head left processes running: {left}"
+
+
+def _in_session(session: int) -> list[int]:
+    """The live processes of session ``session`` (Ray's processes stay in the session ``ray start`` began; their
+    command lines are renamed ``ray::...``)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state, _, _, sid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:4]
+        except OSError:
+            continue
+        if int(sid) == session and state != "Z":
+            found.append(int(pid))
+    return found
 
 
 def test_the_clock_adds_fixed_cost_round_trips_transfer_and_training() -> None:
@@ -91,7 +146,7 @@ def test_a_mixed_fleet_repeats_its_lists_over_the_clients() -> None:
 @ONE_RAY
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox:0.1", "scaffold"])
 def test_a_simulation_and_a_deployment_train_the_same_global_model(
-    tmp_path: Path, run_dir: Path, strategy: str, shared_federation
+    tmp_path: Path, run_dir: Path, strategy: str, shared_federation, ray_head: str
 ) -> None:
     """Same seed, clients and sampling (3 clients, 2 a round): the deployment (SuperLink, SuperNodes, edge agents)
     and the simulation (Ray actors, sessions kept in Flower's node state) end on the same global model — and, for
@@ -100,7 +155,7 @@ def test_a_simulation_and_a_deployment_train_the_same_global_model(
     common = [*DIGITS, "--clients", "3", "--clients-per-round", "2", "--rounds", "3", "--strategy", strategy]
     settings = {"partition": "iid", "local_steps": 3, "clients_per_round": "2", "rounds": 3, "strategy": strategy}
     shared_federation(3).run(tmp_path / "deployed", **settings)  # DIGITS and common, as build_config's keywords
-    simulated = edgefl("run", *common, "--federation", "simulation", "--out", str(run_dir))
+    simulated = edgefl("run", *common, "--federation", "simulation", "--ray-address", ray_head, "--out", str(run_dir))
     assert simulated.returncode == 0, simulated.stderr
     a, b = RunFolder(tmp_path / "deployed").read_checkpoint(), RunFolder(run_dir).read_checkpoint()
     assert a.round == b.round == 3
@@ -149,14 +204,14 @@ def test_fedbuff_takes_updates_in_the_order_the_clock_gives_them_and_ctrl_c_stop
 
 @pytest.mark.federation
 @ONE_RAY
-def test_a_round_deadline_passes_at_its_modelled_time(run_dir: Path) -> None:
+def test_a_round_deadline_passes_at_its_modelled_time(run_dir: Path, ray_head: str) -> None:
     """A laptop on a LAN answers in about half a modelled second, a Pi 3 on an IoT uplink in about eleven (0.48 s,
     five 200 ms round trips, ~150 kB up at 0.25 Mbit/s, its own handling of both messages at 0.067 of a core):
     with a 1 s deadline and a quorum of one, every round closes at its deadline, on the clock, with the laptop's
     update only — the Pi's arrives late and is refused."""
     done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "12", "--round-deadline-s", "1", "--quorum", "0.5",
-                  "--federation", "simulation", "--profile", "lan,iot-uplink", "--device-profile", "laptop,rpi3",
-                  "--out", str(run_dir))  # fmt: skip
+                  "--federation", "simulation", "--ray-address", ray_head, "--profile", "lan,iot-uplink",
+                  "--device-profile", "laptop,rpi3", "--out", str(run_dir))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = read_rounds(run_dir)
     assert [(r["clients"], r["closed_by"]) for r in rows] == [([0], "deadline")] * 12
@@ -203,14 +258,14 @@ def test_a_pipelined_client_trains_round_after_round_and_waits_only_at_the_stale
 
 @pytest.mark.federation
 @ONE_RAY
-def test_a_simulated_dga_runs_the_deployments_pipeline(run_dir: Path) -> None:
+def test_a_simulated_dga_runs_the_deployments_pipeline(run_dir: Path, ray_head: str) -> None:
     """DGA with every client in every round is timed as the agent's pipeline (``ClientTimeline``): each message
     asks for one round, held for and recorded as training exactly that round's modelled time on its device. With
     D as long as the run no round waits for a global model, and the laptop on a lan (no slow start there) trains
     its rounds back to back: one trainer, one round after the other."""
     done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "8", "--strategy", "dga:8",
-                  "--federation", "simulation", "--profile", "lan,long-distance", "--device-profile", "laptop,rpi4",
-                  "--clock-step-s", "0.01", "--out", str(run_dir))  # fmt: skip
+                  "--federation", "simulation", "--ray-address", ray_head, "--profile", "lan,long-distance",
+                  "--device-profile", "laptop,rpi4", "--clock-step-s", "0.01", "--out", str(run_dir))  # fmt: skip
     assert done.returncode == 0, done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["clock"]["pipelined"] and summary["rounds"] == 8
