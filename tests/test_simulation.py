@@ -54,17 +54,18 @@ def ray_head() -> Iterator[str]:
     its address. Stopped after the last (SIGTERM: Ray stops every process it started), and found to leave nothing
     running in its session. The Ctrl-C test starts Ray itself: that its run stops Ray is what it tests."""
     temp_dir = tempfile.mkdtemp(prefix="efl-ray-")  # short: Ray's sockets live under it (a 107-byte path limit)
-    port = free_port()
-    head = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(port), "--num-cpus", str(os.cpu_count()), "--include-dashboard", "false",
-         "--disable-usage-stats", "--temp-dir", temp_dir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    port, output = free_port(), Path(temp_dir, "ray-start.log")
+    with output.open("wb") as log:
+        head = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address",
+             "127.0.0.1", "--port", str(port), "--num-cpus", str(os.cpu_count()), "--include-dashboard", "false",
+             "--disable-usage-stats", "--temp-dir", temp_dir],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not Path(temp_dir, "ray_current_cluster").exists():  # written once the head is up
-            assert head.poll() is None, f"ray start exited {head.returncode}: {head.stderr.read()[-2000:]}"
+            assert head.poll() is None, f"ray start exited {head.returncode}: {output.read_text()[-2000:]}"
             assert time.monotonic() < deadline, "the Ray head did not come up within 120 s"
             time.sleep(0.1)
         yield f"127.0.0.1:{port}"
