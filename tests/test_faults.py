@@ -324,21 +324,20 @@ def test_a_killed_agent_and_a_killed_supernode_both_come_back(run_dir: Path, cle
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         killed_after = len(rows_so_far(run_dir))
-        # The run goes on without them: a round closes at its deadline with the quorum, without clients 2 and 3.
-        wait_for_rows(
-            run_dir,
-            lambda rows: any(
-                r["closed_by"] == "deadline" and {2, 3}.isdisjoint(r["clients"]) for r in rows[killed_after:]
-            ),
-            "a quorum without clients 2 and 3",
-        )
-        # Then its device starts the agent again (same namespace, port and held tasks) as ``edgefl client`` does:
-        # without the launcher's preload of the coming run (its data loads with its first message). Its start-up
-        # (tens of seconds on a loaded host) must end within Flower's 60 s task expiry for it to answer the task it
-        # held itself.
+        # Its device starts the agent again at once (same namespace, port and held tasks) as ``edgefl client``
+        # does: without the launcher's preload of the coming run (its data loads with its first message). Its
+        # start-up (tens of seconds on a loaded host) must end within Flower's 60 s task expiry for it to answer
+        # the task it held itself.
         ready = Path(agent_argv[agent_argv.index("--ready-file") + 1])
         ready.unlink()
         agent = procs.start("agent-restarted", agent_argv[: agent_argv.index("--job")])
+        # The run goes on without them: a round closes at its deadline with the quorum, without client 2 (its node
+        # is gone until Flower drops it; client 3, restarted and no longer on its device's core, may be back first).
+        wait_for_rows(
+            run_dir,
+            lambda rows: any(r["closed_by"] == "deadline" and 2 not in r["clients"] for r in rows[killed_after:]),
+            "a quorum without client 2",
+        )
         restarted_after = len(rows_so_far(run_dir))
         procs.start("supernode-restarted", killed["supernode"].args)
         _wait_ready(agent, ready)
