@@ -19,6 +19,7 @@ import contextlib
 import errno
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from contract.devices import DEVICE_PROFILES, DeviceError, DeviceProfile, device
 MOUNTS = Path("/proc/self/mounts")
 PERIOD_US = 100_000
 DEVICE_SHARES, DEVICE_WEIGHT = 10 * 1024, 1000  # cgroup v1 cpu.shares, v2 cpu.weight: ten times a host process
-REMOVE_ATTEMPTS = 5
+REMOVE_TIMEOUT_S = 10.0  # for a device's cgroup to empty: a killed process leaves it once it has exited
+REMOVE_POLL_S = 0.02
 ROLES = ("train", "agent", "supernode")  # one device core each (DeviceCaps)
 
 
@@ -169,8 +171,11 @@ def _enable_cpu(path: Path) -> None:
 
 
 def _remove(folder: Path, root: Path) -> None:
-    """Move the processes in ``folder`` (all their threads) to the ``root`` cgroup, then delete ``folder``."""
-    for _ in range(REMOVE_ATTEMPTS):  # a process may fork while we move its family out
+    """Move the processes in ``folder`` (all their threads) to the ``root`` cgroup, then delete ``folder``: once
+    it is empty, which a process still exiting (killed, its memory being freed) or forking while its family is
+    moved out delays, for up to REMOVE_TIMEOUT_S."""
+    deadline = time.monotonic() + REMOVE_TIMEOUT_S
+    while time.monotonic() < deadline:
         for pid in _read(folder / "cgroup.procs").split():
             with contextlib.suppress(ProcessLookupError):
                 (root / "cgroup.procs").write_text(pid)
@@ -180,7 +185,11 @@ def _remove(folder: Path, root: Path) -> None:
             pass
         except OSError as err:
             if err.errno == errno.EBUSY:
+                time.sleep(REMOVE_POLL_S)  # polled until the cgroup empties
                 continue
             raise DeviceError(f"cannot remove cgroup {folder}: {err.strerror}") from None
         return
-    raise DeviceError(f"cannot remove cgroup {folder}: processes keep appearing in it")
+    left = _read(folder / "cgroup.procs").split()
+    raise DeviceError(
+        f"cannot remove cgroup {folder}: processes {', '.join(left)} stayed in it for {REMOVE_TIMEOUT_S:.0f} s"
+    )
