@@ -49,6 +49,7 @@ from edgefl.certs import make_node_keys
 from edgefl.forkserver import ForkedProcess, ForkServer
 from edgefl.launcher import (
     FEDERATION,
+    WARM_SERVERAPP,
     LocalFederation,
     app_project,
     flower_env,
@@ -128,12 +129,12 @@ def federation(
 
 
 class PeakRss(threading.Thread):
-    """Polls the peak RSS (VmHWM) of the SuperLink and its descendants (SuperExec, the ServerApp) until stopped:
-    the highest seen of each role, in MB."""
+    """Polls the peak RSS (VmHWM) of the SuperLink and its descendants (SuperExec, the ServerApp: forked warm by
+    the fork server of ``roots``, named by its ``comm``) until stopped: the highest seen of each role, in MB."""
 
-    def __init__(self, superlink_pid: int) -> None:
+    def __init__(self, roots: list[int]) -> None:
         super().__init__(daemon=True, name="peak-rss")
-        self.root = superlink_pid
+        self.roots = roots
         self.peaks: dict[str, float] = {}
         self.halt = threading.Event()
 
@@ -142,9 +143,10 @@ class PeakRss(threading.Thread):
             self.sample()
 
     def sample(self) -> None:
-        for pid in process_tree([self.root]):
+        for pid in process_tree(self.roots):
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                command += " " + Path(f"/proc/{pid}/comm").read_text().strip()
                 status = Path(f"/proc/{pid}/status").read_text()
             except OSError:
                 continue
@@ -273,7 +275,7 @@ def run_federation(config: RunConfig, plan: Plan | None, progress: Callable[[str
         plan.save(plan_file)
     error = ""
     with federation(config, plan_file, progress) as (fed, gateway):
-        rss = PeakRss(dict(fed.procs.procs)["superlink"].pid)
+        rss = PeakRss([proc.pid for name, proc in fed.procs.procs if name in ("superlink", WARM_SERVERAPP)])
         rss.start()
         stranger = Stranger(fed, gateway, run_dir) if plan else None
         if stranger:

@@ -15,8 +15,10 @@ from here, and so does every check of the code edgefl relies on. No other module
   stock. ``COUNT_SOURCE``: the serialization ``contract.transport.message_bytes`` mirrors; where it differs, a
   message is serialized whole to be counted. ``RUNTIME_SOURCE``: ``flwr-clientapp``, which ``fl_client.tasks``
   serves tasks as (and sets a message's id as, ``set_message_id``), and the Runtime API client's interceptor chain
-  ``fl_client.runtime_owner`` checks connections through; ``GRID_SOURCE``: Flower's own FedAvg loop and the grids'
-  ``send_and_receive``, through which ``fl_server.baseline`` meters it (``meter_grid``). Those two have no stock
+  ``fl_client.runtime_owner`` checks connections through; ``LAUNCH_SOURCE``: how SuperExec starts a run's
+  ServerApp (by name, from PATH), where ``edgefl.launcher`` puts a warm one's shim, else Flower starts its own.
+  ``GRID_SOURCE``: Flower's own FedAvg loop and the grids' ``send_and_receive``, through which
+  ``fl_server.baseline`` meters it (``meter_grid``). ``RUNTIME_SOURCE`` and ``GRID_SOURCE`` have no stock
   to fall back to: where their code differs, they refuse in one line (``EdgeflError``).
 
 Names used as they are documented in Flower's code (a proto message, ``ErrorCode``, the robust rules of
@@ -156,6 +158,15 @@ GRID_SOURCE = {
     "flwr.superlink.grid.inmemory_grid.InMemoryGrid.send_and_receive": "0229edfa5741b928",
 }
 
+# how a SuperLink's SuperExec starts a run's ServerApp: the command TASK_TYPE_TO_COMMAND names, found on PATH, by
+# the subprocess executor (SuperLink's SuperExec is given no other), where edgefl.launcher puts the shim of its warm
+# ServerApp (fl_server.warm); where it differs, no shim is put there and Flower starts its own
+LAUNCH_SOURCE = {
+    "flwr.superlink.cli.flower_superlink._get_superexec_command": "5d60007f01d10102",
+    "flwr.supercore.superexec.executor.subprocess_executor.SubprocessExecutor.launch": "83abf3dbe02281fd",
+}
+WARM = "starts a run's ServerApp warm by"  # what edgefl does with LAUNCH_SOURCE's code
+
 RUNTIME_API = "serves tasks by"  # what edgefl does with RUNTIME_SOURCE's code, in its refusal
 METERED = "meters Flower's FedAvg by"  # ... with GRID_SOURCE's
 
@@ -258,6 +269,17 @@ def refuse_unless_checked(expected: Mapping[str, str], what: str) -> None:
 def refuse_unless_runtime_api() -> None:
     """``refuse_unless_checked`` for ``RUNTIME_SOURCE``, once per process when it passes."""
     refuse_unless_checked(RUNTIME_SOURCE, RUNTIME_API)
+
+
+def serverapp_command() -> tuple[str | None, str]:
+    """The command SuperExec starts a run's ServerApp as, by name from PATH, when ``LAUNCH_SOURCE`` holds the
+    installed flwr's code (else None), and why not."""
+    reason = why_differs(LAUNCH_SOURCE, WARM)
+    if reason is not None:
+        return None, reason
+    from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
+
+    return TASK_TYPE_TO_COMMAND[TaskType.SERVER_APP], ""
 
 
 def set_message_id(message: Message, message_id: str) -> None:

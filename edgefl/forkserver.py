@@ -11,10 +11,21 @@ A real device starts its agent and SuperNode once, with ``python -m``; this is t
 many of them at once. The launcher side, ``ForkServer``, hands out ``ForkedProcess`` handles that a
 ``ProcessGroup`` keeps beside its ``subprocess.Popen`` ones.
 
-    python -m edgefl.forkserver FD MODULE [MODULE ...]   (FD: the launcher's end of a socket pair)
+A fork server may also serve a command that another program starts by name (``--command NAME MODULE ADDRESS``):
+Flower's SuperExec starts ``flwr-serverapp`` from PATH for every run, a process that spends a second importing
+Flower's server before it asks for its task. ``write_shim`` puts a script called NAME first on that program's PATH;
+the script hands its arguments, environment, working folder and standard streams to the server over the abstract
+Unix socket ADDRESS (answered only for this user), which forks MODULE's ``main()`` with them, and stays the
+program's child until that fork ends: its exit status is the script's, a signal to it is passed on, and so is the
+program's end, as SIGINT. Where no server answers, the script runs the command itself (``exec``), as if it were
+not there.
+
+    python -m edgefl.forkserver FD [--command NAME MODULE ADDRESS] MODULE [MODULE ...]
+    (FD: the launcher's end of a socket pair)
 
 Requests and replies are JSON lines on the socket: ``{"module", "args", "log", "netns", "name"}`` → ``{"pid"}`` or
 ``{"error"}``; a child's end → ``{"exited": PID, "code": CODE}`` (its wait status as ``Popen.returncode`` gives it).
+A shim sends ``{"argv", "env", "cwd"}`` with its three standard streams (``SCM_RIGHTS``) and gets the same replies.
 """
 
 from __future__ import annotations
@@ -27,11 +38,13 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +54,7 @@ PR_SET_NAME = 15  # prctl(2)
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 POLL_S = 0.05  # how often a handle whose server is gone looks at /proc for its process
 FORK_TIMEOUT_S = 300.0  # for a server's answer: its preload takes seconds, tens on a loaded 2-core host
+SHIM_TIMEOUT_S = 5.0  # for a shim's request, once it has connected
 
 
 class ForkedProcess:
@@ -114,9 +128,11 @@ class ForkServer:
         self._forked: dict[int, ForkedProcess] = {}
         self._gone = threading.Event()
 
-    def argv(self, *preload: str) -> list[str]:
-        """The server's command line, preloading the modules ``preload`` (each module's ``preload()``)."""
-        return [sys.executable, "-m", "edgefl.forkserver", str(self.child_fd), *preload]
+    def argv(self, *preload: str, command: ServedCommand | None = None) -> list[str]:
+        """The server's command line, preloading the modules ``preload`` (each module's ``preload()``) and serving
+        ``command``'s shim if given."""
+        served = ["--command", command.name, command.module, command.address] if command else []
+        return [sys.executable, "-m", "edgefl.forkserver", str(self.child_fd), *served, *preload]
 
     def serve(self, process: subprocess.Popen[bytes]) -> None:
         """The server process has been started (its end of the socket passed to it): read its answers."""
@@ -175,13 +191,57 @@ class ForkServer:
                 handle._forked(None, str(reply.get("error", "refused")))
 
 
+SHIM = """#!{python} -IS
+# {name}, forked by edgefl's fork server on the abstract socket {address!r} (edgefl.forkserver); where none
+# answers, {fallback} itself.
+import ctypes, json, os, signal, socket, sys
+
+PR_SET_PDEATHSIG = 1
+parent = os.getppid()
+try:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\\0" + {address!r})
+    request = {{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}
+    socket.send_fds(sock, [json.dumps(request).encode() + b"\\n"], [0, 1, 2])
+    replies = sock.makefile("rb")
+    pid = json.loads(replies.readline())["pid"]
+except (OSError, ValueError, KeyError):
+    os.execv({fallback!r}, [{fallback!r}, *sys.argv[1:]])
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda sig, _: os.kill(pid, sig))
+ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGINT)  # its parent's end, passed on as SIGINT
+if os.getppid() != parent:  # it ended before
+    os.kill(pid, signal.SIGINT)
+for line in replies:
+    code = json.loads(line).get("code")
+    if code is not None and code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    if code is not None:
+        sys.exit(code)
+sys.exit(1)  # the server ended first, and its child with it
+"""
+
+
+def write_shim(folder: Path, command: ServedCommand, fallback: Path) -> Path:
+    """Write ``folder``/NAME, the script that asks the fork server serving ``command`` for its process, or runs
+    ``fallback`` (the command itself) where no server answers; put ``folder`` first on PATH to use it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / command.name
+    text = SHIM.format(python=sys.executable, name=command.name, address=command.address, fallback=str(fallback))
+    shim.write_text(text)
+    shim.chmod(0o755)
+    return shim
+
+
 def _returncode(status: int) -> int:
     """A wait status as ``Popen.returncode`` gives it: the exit code, or minus the signal that ended it."""
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
 def _child(request: dict[str, Any], server: int, closed: list[int]) -> int:
-    """In the forked child: become ``python -m MODULE ARGS`` in a session of its own; returns its exit code."""
+    """In the forked child: become ``python -m MODULE ARGS`` in a session of its own, its output appended to its
+    log (a shim's request: on the shim's streams, in its environment and folder); returns its exit code."""
     os.setsid()
     for fd in closed:
         os.close(fd)
@@ -191,13 +251,22 @@ def _child(request: dict[str, Any], server: int, closed: list[int]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal_on_parent_death(server)
     _prctl(PR_SET_NAME, request["name"].encode()[:15], 0, 0, 0)  # what ps -o comm and top show: agent-0, ...
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(devnull)
+    if "fds" in request:
+        for target, fd in enumerate(request["fds"]):
+            os.dup2(fd, target)
+        for fd in set(request["fds"]) - {0, 1, 2}:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+    else:
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
     try:
         if request["netns"]:
             from pyroute2 import netns
@@ -220,9 +289,71 @@ def _child(request: dict[str, Any], server: int, closed: list[int]) -> int:
                 stream.flush()
 
 
-def serve(channel: socket.socket, preload: list[str]) -> None:
-    """Preload ``preload``, then fork a child per request and report each child's end, until the launcher closes
-    the channel (or SIGTERM comes) and every child has ended."""
+@dataclass(frozen=True)
+class ServedCommand:
+    """A command a fork server forks for the shim that stands in for it (see the module's docstring)."""
+
+    name: str  # what the program starts, e.g. flwr-serverapp
+    module: str  # whose main() the fork runs
+    address: str  # the abstract Unix socket the shim dials (no leading NUL)
+
+
+class _Callers:
+    """The shims connected to a fork server: each one's socket, by the PID of the child forked for it."""
+
+    def __init__(self, command: ServedCommand) -> None:
+        self.command = command
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + command.address)
+        self.listener.listen(16)
+        self.by_pid: dict[int, socket.socket] = {}
+
+    def fds(self) -> list[int]:
+        """What a forked child closes: the listener and every other shim's socket."""
+        return [self.listener.fileno(), *(conn.fileno() for conn in self.by_pid.values())]
+
+    def accept(self) -> tuple[socket.socket, dict[str, Any]] | None:
+        """A shim's connection and its request (the child's to fork), or None when refused: another user's, or
+        not a request (its reason said to it)."""
+        conn, _ = self.listener.accept()
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():
+            _say(conn, {"error": f"this fork server serves user {os.getuid()} only"})
+            conn.close()
+            return None
+        conn.settimeout(SHIM_TIMEOUT_S)
+        data, fds, refused = b"", [], ""
+        try:
+            while not data.endswith(b"\n"):
+                part, new_fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                fds += new_fds
+                if not part:
+                    break
+                data += part
+            shim = json.loads(data)
+            request = {"module": self.command.module, "args": [str(a) for a in shim["argv"]],
+                       "env": {str(k): str(v) for k, v in shim["env"].items()}, "cwd": str(shim["cwd"]),
+                       "fds": fds, "netns": None, "name": self.command.name}  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            refused = f"not a request: {exc}"
+        if not refused and len(fds) != 3:
+            refused = f"not a request: {len(fds)} file descriptors passed, not 3"
+        if refused:
+            for fd in fds:
+                os.close(fd)
+            _say(conn, {"error": refused})
+            conn.close()
+            return None
+        conn.settimeout(None)
+        return conn, request
+
+
+def serve(channel: socket.socket, preload: list[str], command: ServedCommand | None = None) -> None:
+    """Preload ``preload``, then fork a child per request (the launcher's, and a ``command`` shim's) and report
+    each child's end to whoever asked, until the launcher closes the channel (or SIGTERM comes) and every child
+    has ended. A shim that hangs up before its child ends has the child sent SIGTERM. The shims' socket is bound
+    before the preload: a shim that dials during it waits for its answer."""
+    callers = _Callers(command) if command else None
     for name in preload:
         importlib.import_module(name).preload()
     wakeup_r, wakeup_w = os.pipe()
@@ -241,9 +372,12 @@ def serve(channel: socket.socket, preload: list[str]) -> None:
     selector = selectors.DefaultSelector()
     selector.register(channel, selectors.EVENT_READ)
     selector.register(wakeup_r, selectors.EVENT_READ)
+    if callers:
+        selector.register(callers.listener, selectors.EVENT_READ)
     pending = b""  # requests received, up to the last whole line
     open_channel = True
     while (open_channel and not stopping) or children:
+        closed = [channel.fileno(), wakeup_r, wakeup_w, *(callers.fds() if callers else [])]
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is channel:
                 data = channel.recv(65536)
@@ -253,14 +387,38 @@ def serve(channel: socket.socket, preload: list[str]) -> None:
                 pending += data
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    _fork(json.loads(line), channel, children, [channel.fileno(), wakeup_r, wakeup_w])
+                    _fork(json.loads(line), channel, children, closed)
+            elif callers and key.fileobj is callers.listener:
+                if open_channel and not stopping and (asked := callers.accept()) is not None:
+                    conn, request = asked
+                    pid = _fork(request, conn, children, [*closed, conn.fileno()])
+                    for fd in request["fds"]:
+                        os.close(fd)
+                    if pid is None:
+                        conn.close()
+                    else:
+                        callers.by_pid[pid] = conn
+                        selector.register(conn, selectors.EVENT_READ, pid)
+            elif key.data is not None:  # a shim's socket readable: it hung up (it sends nothing more)
+                with contextlib.suppress(OSError):
+                    if not key.fileobj.recv(1):  # type: ignore[union-attr]
+                        selector.unregister(key.fileobj)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(key.data, signal.SIGTERM)
             else:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wakeup_r, 512)
-        _reap(channel, children)
+        for pid, code in _reap(children):
+            conn = callers.by_pid.pop(pid, None) if callers else None
+            _say(conn or channel, {"exited": pid, "code": code})
+            if conn is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(conn)
+                conn.close()
 
 
-def _fork(request: dict[str, Any], channel: socket.socket, children: set[int], closed: list[int]) -> None:
+def _fork(request: dict[str, Any], channel: socket.socket, children: set[int], closed: list[int]) -> int | None:
+    """Fork ``request``'s child and tell ``channel`` its PID (or why not); returns the PID."""
     server = os.getpid()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -268,7 +426,7 @@ def _fork(request: dict[str, Any], channel: socket.socket, children: set[int], c
         pid = os.fork()
     except OSError as exc:
         _say(channel, {"error": f"fork: {exc.strerror}"})
-        return
+        return None
     if pid == 0:
         code = 1
         try:
@@ -277,16 +435,20 @@ def _fork(request: dict[str, Any], channel: socket.socket, children: set[int], c
             os._exit(code)
     children.add(pid)
     _say(channel, {"pid": pid})
+    return pid
 
 
-def _reap(channel: socket.socket, children: set[int]) -> None:
+def _reap(children: set[int]) -> list[tuple[int, int]]:
+    """The children that have ended, each with its exit code (``_returncode``); they leave ``children``."""
+    ended = []
     for pid in list(children):
         with contextlib.suppress(ChildProcessError):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done == 0:
                 continue
-            _say(channel, {"exited": pid, "code": _returncode(status)})
+            ended.append((pid, _returncode(status)))
         children.discard(pid)
+    return ended
 
 
 def _say(channel: socket.socket, reply: dict[str, Any]) -> None:
@@ -296,7 +458,10 @@ def _say(channel: socket.socket, reply: dict[str, Any]) -> None:
 
 def main() -> None:
     fd, *preload = sys.argv[1:]
-    serve(socket.socket(fileno=int(fd)), preload)
+    command = None
+    if preload[:1] == ["--command"]:
+        command, preload = ServedCommand(*preload[1:4]), preload[4:]
+    serve(socket.socket(fileno=int(fd)), preload, command)
 
 
 if __name__ == "__main__":

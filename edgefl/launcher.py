@@ -24,7 +24,7 @@ from pathlib import Path
 
 import tomli_w
 
-from contract.flower import FLOWER_CONFIG_FILE
+from contract.flower import FLOWER_CONFIG_FILE, serverapp_command
 from contract.run_folder import (
     CHECKPOINT,
     CONFIG,
@@ -42,7 +42,7 @@ from contract.run_folder import (
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
 from edge.devices import DEVICE_PROFILES, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_server_certs
-from edgefl.forkserver import ForkServer
+from edgefl.forkserver import ForkServer, ServedCommand, write_shim
 from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
 from edgefl.processes import (
     ENDED_GRACE_S,
@@ -69,6 +69,8 @@ LAST_WORD_WAIT_S = 30.0  # how long a stopped remote run's checkpoint and error 
 LAPTOP = DEVICE_PROFILES["laptop"]  # no cap
 RUNTIME_HOST = "127.0.0.1"  # a SuperNode's Runtime API, where its agent claims tasks: the device's loopback only
 JOINED = "SuperNode ID:"  # flower-supernode logs this once the SuperLink has accepted the node
+SHIMS = ".bin"  # in a run's (or server's) folder, first on its processes' PATH: the warm ServerApp's shim
+WARM_SERVERAPP = "forkserver-serverapp"  # ProcessGroup name of the fork server of the ServerApps (fl_server.warm)
 
 APPS = {
     "edgefl": ("fl_server.app:app", "fl_client.app:app"),
@@ -121,11 +123,12 @@ def prepare_run_dir(config: RunConfig, resume: bool = False) -> Path:
 
 
 def flower_env(run_dir: Path) -> dict[str, str]:
-    """The environment of every Flower process. This Python's scripts come first on PATH: the SuperLink and
-    SuperNode start ``flower-superexec`` and the ``flwr-*`` apps by name, also when the venv is not activated."""
+    """The environment of every Flower process. This Python's scripts come first on PATH, after the folder of the
+    warm ServerApp's shim (``start_superlink``): the SuperLink and SuperNode start ``flower-superexec`` and the
+    ``flwr-*`` apps by name, also when the venv is not activated."""
     env = dict(os.environ)
     env.update(
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+        PATH=os.pathsep.join([str(run_dir / SHIMS), str(Path(sys.executable).parent), env.get("PATH", "")]),
         FLWR_HOME=str(run_dir / ".flwr"),
         FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.1",
         OMP_NUM_THREADS="1",
@@ -201,13 +204,32 @@ class NodeRuntime:
                 "--held-tasks", str(self.held_dir), "--parent-pid", str(os.getpid()), *extra]  # fmt: skip
 
 
-def start_superlink(procs: ProcessGroup, argv: list[str]) -> None:
-    """Start the SuperLink and return once it serves: its log says so after this start (a resumed run's log holds
-    the killed SuperLink's lines too)."""
+def start_superlink(procs: ProcessGroup, argv: list[str], prefix: tuple[str, ...] = (), warm: bool = True) -> None:
+    """Start the SuperLink (``prefix``: where, e.g. ``ip netns exec NS``) and return once it serves: its log says so
+    after this start (a resumed run's log holds the killed SuperLink's lines too). With ``warm``, each run's
+    ServerApp is forked from a process that imported it once (``fl_server.warm``) where Flower's SuperExec is the
+    code ``contract.flower.LAUNCH_SOURCE`` was checked against; Flower starts its own otherwise."""
     log = procs.log_dir / "superlink.log"
     offset = log.stat().st_size if log.exists() else 0
-    procs.start("superlink", argv)
+    shims = Path(procs.env["FLWR_HOME"]).parent / SHIMS
+    shutil.rmtree(shims, ignore_errors=True)  # an earlier server's, in this folder
+    procs.start("superlink", [*prefix, *argv])
+    if warm:
+        start_warm_serverapp(procs, prefix, shims)
     procs.wait_until("the SuperLink", lambda: "Uvicorn running on" in tail_from(log, offset), STARTUP_TIMEOUT_S)
+
+
+def start_warm_serverapp(procs: ProcessGroup, prefix: tuple[str, ...], shims: Path) -> None:
+    """The fork server of the runs' ServerApps and, in ``shims`` (first on the SuperLink's PATH: ``flower_env``),
+    the shim SuperExec starts by the ServerApp's command name (``edgefl.forkserver``); nothing where the installed
+    flwr starts its ServerApp otherwise (``contract.flower.serverapp_command``)."""
+    name, _ = serverapp_command()
+    if name is None:
+        return
+    command = ServedCommand(name, "fl_server.warm", f"edgefl-serverapp-{os.getpid()}-{secrets.token_hex(6)}")
+    procs.start_forkserver(WARM_SERVERAPP, "fl_server.warm", command=command, prefix=prefix)
+    fallback = Path(sys.executable).parent / name
+    write_shim(shims, command, fallback)
 
 
 def reach_superlink(address: str, root_cert: Path | None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -374,12 +396,13 @@ class LocalFederation:
         address = self.device_address = f"{self.place.server_host}:{port}"
         if self.place.backend == "loopback":
             self.address = address
-            start_superlink(self.procs, superlink_argv("127.0.0.1", port, None))
+            start_superlink(self.procs, superlink_argv("127.0.0.1", port, None), warm=self.app == "edgefl")
         else:  # devices in other namespaces reach the SuperLink as over a network: through the gateway, with TLS
             self.certs = make_server_certs(self.run_dir / ".certs", [self.place.server_host])
             local_port = free_port()
             self.address = f"127.0.0.1:{local_port}"  # the server's own loopback, where runs are submitted
-            start_superlink(self.procs, [*self.place.server_prefix, *superlink_argv("127.0.0.1", local_port, None)])
+            argv = superlink_argv("127.0.0.1", local_port, None)
+            start_superlink(self.procs, argv, self.place.server_prefix, warm=self.app == "edgefl")
             Gateway(self.place.server_host, port, local_port, self.certs).start(self.procs, self.place.server_prefix)
         agents = nodes = None
         if self.app == "edgefl":

@@ -23,7 +23,7 @@ from typing import NoReturn
 
 from contract.errors import EdgeflError
 from contract.parent import signal_on_parent_death
-from edgefl.forkserver import ForkedProcess, ForkServer
+from edgefl.forkserver import ForkedProcess, ForkServer, ServedCommand
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL while a run may still need what its processes hold
 ENDED_GRACE_S = 1.0  # once its results are written: what a federation's processes hold is no longer needed, and
@@ -154,11 +154,15 @@ class ProcessGroup:
         self.procs.append((name, proc))
         return proc
 
-    def start_forkserver(self, name: str, *preload: str) -> ForkServer:
-        """A fork server (``edgefl.forkserver``) in this group that preloads the modules ``preload``."""
+    def start_forkserver(
+        self, name: str, *preload: str, command: ServedCommand | None = None, prefix: tuple[str, ...] = ()
+    ) -> ForkServer:
+        """A fork server (``edgefl.forkserver``) in this group that preloads the modules ``preload``, serving
+        ``command``'s shim if given; ``prefix``: its command line's (a network namespace's ``ip netns exec``)."""
         server = ForkServer()
         try:
-            server.serve(self.start(name, server.argv(*preload), pass_fds=(server.child_fd,)))
+            argv = [*prefix, *server.argv(*preload, command=command)]
+            server.serve(self.start(name, argv, pass_fds=(server.child_fd,)))
         except LaunchError:
             server.close()
             raise

@@ -27,10 +27,12 @@ from contract.run_folder import (
 )
 from contract.settings import RunConfig
 from contract.transport import tune
+from fl_server import warm
 from fl_server.engine import serve
 
 app = ServerApp()
 STOPPED = "stopped before the run's end (flwr stop, or the server shut down)\n"
+STARTED = {True: "forked warm (fl_server.warm)", False: "started by Flower's SuperExec"}
 
 
 def run_folder_of(config: RunConfig, context: Context) -> RunFolder:
@@ -102,12 +104,14 @@ def run_in_folder(folder: RunFolder, body: Callable[[], None]) -> None:
 def main(grid: Grid, context: Context) -> None:
     # Flower's ServerApp watches its parent (the SuperExec) with kill(pid, 0), which a dead parent no one has reaped
     # yet (a zombie: its own parent, the SuperLink, was killed) passes: the run would go on alone. This watch takes
-    # a zombie for gone, and stops the app the way Flower's does (SIGINT: its exit handlers, then exit).
+    # a zombie for gone, and stops the app the way Flower's does (SIGINT: its exit handlers, then exit). A warm
+    # ServerApp's parent is its fork server; its shim, SuperExec's child, passes SuperExec's end on as SIGINT.
     watch_parent(os.getppid(), signal.SIGINT)
 
     def body(config: RunConfig, folder: RunFolder) -> None:
         transport = tune()
         logging.getLogger("edgefl").info("Flower's message path: %s", transport)
+        logging.getLogger("edgefl").info("this ServerApp process: %s", STARTED[warm.forked])
         serve(grid, config, folder, transport)
 
     run_app(context, body)

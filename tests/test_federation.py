@@ -23,6 +23,7 @@ from contract.run_folder import RunFolder, read_rounds
 from contract.settings import parse_partition
 from edgefl.launcher import flower_env
 from fl_client.tasks import TaskTiming
+from fl_server.app import STARTED
 from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, set_flat_params
 from ml.partition import partition_indices
@@ -64,6 +65,7 @@ def test_two_supernodes_three_rounds_on_digits(run_dir: Path) -> None:
     assert RunFolder(run_dir).read_checkpoint().round == 3
     assert (run_dir / "global.onnx").stat().st_size > 10_000
     assert "results:" in done.stdout
+    assert f"this ServerApp process: {STARTED[True]}" in (run_dir / "server.log").read_text()
     # Every message was answered by the one agent process of its client, none by a process of its own.
     messages = read_rounds(run_dir, "messages.jsonl")
     assert all(m["objects_down"] == m["objects_up"] == 3 for m in messages)

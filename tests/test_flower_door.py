@@ -29,6 +29,7 @@ TABLES = {
     "COUNT_SOURCE": flower.COUNT_SOURCE,
     "RUNTIME_SOURCE": flower.RUNTIME_SOURCE,
     "GRID_SOURCE": flower.GRID_SOURCE,
+    "LAUNCH_SOURCE": flower.LAUNCH_SOURCE,
 }
 
 
@@ -90,6 +91,23 @@ def test_code_that_differs_refuses_the_runtime_api_client(monkeypatch) -> None:
     assert "\n" not in message
     assert message.startswith(f"flwr {flower.INSTALLED} is installed but flwr.app.metadata.Metadata.__init__ is not")
     assert "the code edgefl serves tasks by (source digest" in message
+
+
+def test_a_runs_serverapp_is_started_warm_only_where_superexec_is_the_checked_code(monkeypatch, tmp_path) -> None:
+    """SuperExec starts ``flwr-serverapp`` by name from PATH, where the launcher puts the warm one's shim; where its
+    code differs, no fork server or shim is started: Flower starts its own ServerApp."""
+    from edgefl.launcher import SHIMS, flower_env, start_warm_serverapp
+    from edgefl.processes import ProcessGroup
+
+    assert flower.serverapp_command() == ("flwr-serverapp", "")
+    launch = "flwr.supercore.superexec.executor.subprocess_executor.SubprocessExecutor.launch"
+    monkeypatch.setitem(flower.LAUNCH_SOURCE, launch, "0000000000000000")
+    name, reason = flower.serverapp_command()
+    assert name is None
+    assert reason.startswith(f"{launch} is not the code edgefl starts a run's ServerApp warm by (source digest")
+    with ProcessGroup(tmp_path / "logs", flower_env(tmp_path)) as procs:
+        start_warm_serverapp(procs, (), tmp_path / SHIMS)
+        assert procs.procs == [] and not (tmp_path / SHIMS).exists()
 
 
 def test_another_flower_version_is_refused_or_left_stock_naming_both(monkeypatch) -> None:

@@ -1,18 +1,25 @@
 """Processes forked from a fork server (``edgefl.forkserver``), as a ``ProcessGroup`` keeps them: each runs its
 module's ``main()`` in a session of its own with its output in its log; its exit code comes back as ``Popen``'s
 would; requests sent together are all served; a server killed takes its children with it; stopping the group
-leaves nothing running. A real fork server process, real forks and signals; the modules are written here."""
+leaves nothing running. A command started by name through its shim (as SuperExec starts ``flwr-serverapp``) is
+forked with the caller's arguments, streams, environment and folder, its exit status and signals passed through;
+without a server the shim runs the command itself; another user is refused. A real fork server process, real
+forks, sockets and signals; the modules are written here."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from edgefl.forkserver import ServedCommand, write_shim
 from edgefl.processes import ProcessGroup, process_tree, tail
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,6 +36,9 @@ def preload():
 
 def main():
     print("preloaded" if PRELOADED else "not preloaded", os.getpid(), os.getpgid(0), sys.argv[1:], flush=True)
+    if sys.argv[1] == "where":
+        print(os.getcwd(), os.environ.get("DEMO"), file=sys.stderr, flush=True)
+        return
     if sys.argv[1] == "exit":
         sys.exit(int(sys.argv[2]))
     if sys.argv[1] == "raise":
@@ -113,3 +123,92 @@ def test_a_process_forked_into_a_network_namespace_lives_there(group: ProcessGro
     finally:
         group.stop()
         subprocess.run(["ip", "netns", "delete", name], check=True)
+
+
+def _shim(group: ProcessGroup, tmp_path: Path, serve: bool = True) -> tuple[dict[str, str], ServedCommand]:
+    """A fork server serving ``demo-cmd`` (``forked_demo``) when ``serve``, its shim on PATH; the environment."""
+    command = ServedCommand("demo-cmd", "forked_demo", f"edgefl-test-{os.getpid()}-{tmp_path.name}")
+    if serve:
+        group.start_forkserver("forkserver", "forked_demo", command=command)
+        bound = f"@{command.address}"  # how /proc/net/unix lists an abstract socket
+        group.wait_until("the fork server's socket", lambda: bound in Path("/proc/net/unix").read_text(), 60)
+    fallback = tmp_path / "real-demo-cmd"
+    fallback.write_text("#!/bin/sh\necho not forked: $@\nexit 4\n")
+    fallback.chmod(0o755)
+    shims = write_shim(tmp_path / "bin", command, fallback).parent
+    return {**group.env, "PATH": f"{shims}{os.pathsep}{group.env['PATH']}", "DEMO": "carried"}, command
+
+
+def test_a_command_started_by_name_is_forked_with_the_callers_streams_environment_and_folder(
+    group: ProcessGroup, tmp_path: Path
+) -> None:
+    env, _ = _shim(group, tmp_path)
+    (tmp_path / "work").mkdir()
+    done = subprocess.run(["demo-cmd", "where"], env=env, cwd=tmp_path / "work", capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    preloaded, pid, _, args = done.stdout.split(" ", 3)
+    assert (preloaded, args.strip()) == ("preloaded", "['where']")
+    assert done.stderr.split() == [str(tmp_path / "work"), "carried"]
+    assert int(pid) not in process_tree([os.getpid()])  # it has ended, reaped by the server
+    failed = subprocess.run(["demo-cmd", "exit", "3"], env=env, capture_output=True, timeout=120)
+    assert failed.returncode == 3
+
+
+def test_a_signal_to_the_shim_or_its_parents_end_reaches_its_fork_and_a_shim_gone_takes_its_fork(
+    group: ProcessGroup, tmp_path: Path
+) -> None:
+    env, _ = _shim(group, tmp_path)
+    server = next(proc for name, proc in group.procs if name == "forkserver")
+    for sig, expected in ((signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
+        shim = subprocess.Popen(["demo-cmd", "wait"], env=env, stdout=subprocess.PIPE, text=True)
+        assert shim.stdout is not None
+        pid = int(shim.stdout.readline().split()[1])  # its fork is running
+        assert pid in process_tree([server.pid]) and pid not in process_tree([shim.pid])  # the server's child
+        shim.send_signal(sig)  # SIGTERM is passed on; SIGKILL hangs up, and the server sends the fork SIGTERM
+        assert shim.wait(timeout=60) == expected
+        group.wait_until(f"fork {pid} to end", lambda pid=pid: pid not in process_tree([server.pid]), 60)
+        shim.stdout.close()
+    # the shim's parent ends (as SuperExec does when its SuperLink goes): the fork is sent SIGINT, as Flower's
+    # ServerApp stops when its parent is gone
+    parent = subprocess.Popen(["sh", "-c", "demo-cmd wait; true"], env=env, stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline().split()[1])
+    parent.kill()
+    assert parent.wait(timeout=60) == -signal.SIGKILL
+    group.wait_until(f"fork {pid} to end", lambda: pid not in process_tree([server.pid]), 60)
+    parent.stdout.close()
+
+
+def test_without_its_fork_server_the_shim_runs_the_command_itself(group: ProcessGroup, tmp_path: Path) -> None:
+    env, _ = _shim(group, tmp_path, serve=False)
+    done = subprocess.run(["demo-cmd", "a", "b"], env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (4, "not forked: a b\n")
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="connecting as another user needs root")
+def test_the_fork_server_refuses_another_users_request(group: ProcessGroup, tmp_path: Path) -> None:
+    _, command = _shim(group, tmp_path)
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # as nobody: ask for the command as a shim does
+        os.close(reader)
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect("\0" + command.address)
+                request = {"argv": ["exit", "0"], "env": {}, "cwd": "/"}
+                with contextlib.suppress(BrokenPipeError):  # refused on connecting, before it reads the request
+                    socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+                os.write(writer, sock.makefile("rb").readline())
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as answer:
+        reply = answer.read()
+    assert os.waitpid(child, 0)[1] == 0
+    assert json.loads(reply) == {"error": f"this fork server serves user {os.getuid()} only"}
