@@ -143,8 +143,8 @@ def timed_run(argv: list[str], run_dir: Path, clients: int, agents: bool, env: d
 IMPORTS = {  # what each process imports before it can do its part, as `python -c "import ..."`
     "an agent": "torch, fl_client.tasks, edge.agent, fl_client.app",
     "a SuperNode": "fl_client.supernode, flwr.supernode.start_client_internal",
-    "the ServerApp": "fl_server.app",
-    "flwr run (Flower's CLI)": "flwr.cli.app",
+    "a ServerApp: flwr-serverapp, then edgefl's (now once per server, forked)": "flwr.superlink.cli, fl_server.app",
+    "flwr run: Flower's CLI (now called in the command's own process)": "flwr.cli.app",
 }
 EVALUATION = """
 import itertools, json, math, time

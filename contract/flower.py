@@ -17,6 +17,8 @@ from here, and so does every check of the code edgefl relies on. No other module
   serves tasks as (and sets a message's id as, ``set_message_id``), and the Runtime API client's interceptor chain
   ``fl_client.runtime_owner`` checks connections through; ``LAUNCH_SOURCE``: how SuperExec starts a run's
   ServerApp (by name, from PATH), where ``edgefl.launcher`` puts a warm one's shim, else Flower starts its own.
+  ``SUBMIT_SOURCE``: ``flwr run``, which ``edgefl.launcher.submit`` calls in its own process (``flwr_run``), else
+  starts as a command.
   ``GRID_SOURCE``: Flower's own FedAvg loop and the grids' ``send_and_receive``, through which
   ``fl_server.baseline`` meters it (``meter_grid``). ``RUNTIME_SOURCE`` and ``GRID_SOURCE`` have no stock
   to fall back to: where their code differs, they refuse in one line (``EdgeflError``).
@@ -27,11 +29,15 @@ Names used as they are documented in Flower's code (a proto message, ``ErrorCode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import io
+import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,6 +173,15 @@ LAUNCH_SOURCE = {
 }
 WARM = "starts a run's ServerApp warm by"  # what edgefl does with LAUNCH_SOURCE's code
 
+# flwr run, which edgefl.launcher.submit calls in its own process (a process of its own spends ~1 s of CPU importing
+# Flower's CLI before it submits) and reads the run id from its words; where it differs, flwr run is started
+SUBMIT_SOURCE = {
+    "flwr.cli.run.run.run": "dae6fa11a23b1026",
+    "flwr.cli.run.run._run_with_control_api": "95f57c912e34174b",
+}
+SUBMITS = "submits a run in its own process by"  # what edgefl does with SUBMIT_SOURCE's code
+STARTED_RUN = re.compile(r"Successfully started run (\d+)")  # flwr run's words, run id first
+
 RUNTIME_API = "serves tasks by"  # what edgefl does with RUNTIME_SOURCE's code, in its refusal
 METERED = "meters Flower's FedAvg by"  # ... with GRID_SOURCE's
 
@@ -280,6 +295,37 @@ def serverapp_command() -> tuple[str | None, str]:
     from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
 
     return TASK_TYPE_TO_COMMAND[TaskType.SERVER_APP], ""
+
+
+def flwr_run(app: Path, connection: str, flwr_home: Path) -> str | None:
+    """Flower's ``flwr run APP CONNECTION`` called in this process (``$FLWR_HOME`` set to ``flwr_home`` while it
+    runs), its words kept from this process's output: the run id. None where ``SUBMIT_SOURCE`` does not hold the
+    installed flwr's code (start ``flwr run`` instead); Flower's refusal is raised in its words, on one line
+    (``EdgeflError``)."""
+    if why_differs(SUBMIT_SOURCE, SUBMITS) is not None:
+        return None
+    import click
+    from flwr.cli.run.run import run
+
+    said = io.StringIO()
+    home = os.environ.get("FLWR_HOME")
+    os.environ["FLWR_HOME"] = str(flwr_home)
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            run(str(app), connection, None, None, None, False, "default")
+    except click.ClickException as exc:
+        raise EdgeflError(" ".join(exc.format_message().split())) from None
+    except click.exceptions.Exit as exc:
+        raise EdgeflError(f"exit code {exc.exit_code}: {' '.join(said.getvalue().split())[-300:]}") from None
+    finally:
+        if home is None:
+            os.environ.pop("FLWR_HOME", None)
+        else:
+            os.environ["FLWR_HOME"] = home
+    found = STARTED_RUN.search(said.getvalue())
+    if found is None:
+        raise EdgeflError(f"it named no run: {' '.join(said.getvalue().split())[-300:]}")
+    return found.group(1)
 
 
 def set_message_id(message: Message, message_id: str) -> None:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import tomli_w
 
-from contract.flower import FLOWER_CONFIG_FILE, serverapp_command
+from contract.errors import EdgeflError
+from contract.flower import FLOWER_CONFIG_FILE, flwr_run, serverapp_command
 from contract.run_folder import (
     CHECKPOINT,
     CONFIG,
@@ -333,7 +334,14 @@ def submit(
     project = app_project(app_for(config), config, run_dir if shared else None, resume_folder)
     (app_dir / "pyproject.toml").write_text(tomli_w.dumps(project))
     write_flwr_home(Path(env["FLWR_HOME"]), address, root_cert)
-    run_id = str(run_flwr(["run", str(app_dir), FEDERATION], env, prefix)["run-id"])
+    run_id = None
+    if not prefix:  # Flower's CLI called here, where its code is what contract.flower checked
+        try:
+            run_id = flwr_run(app_dir, FEDERATION, Path(env["FLWR_HOME"]))
+        except EdgeflError as exc:
+            raise LaunchError(f"flwr run failed: {exc}") from None
+    if run_id is None:  # from the server's network namespace, or another flwr: its command
+        run_id = str(run_flwr(["run", str(app_dir), FEDERATION], env, prefix)["run-id"])
     if not shared and not resumed:
         remote_run.write_text(remote_folder_name(config.name, run_id) + "\n")
     return run_id

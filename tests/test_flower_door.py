@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -30,6 +31,7 @@ TABLES = {
     "RUNTIME_SOURCE": flower.RUNTIME_SOURCE,
     "GRID_SOURCE": flower.GRID_SOURCE,
     "LAUNCH_SOURCE": flower.LAUNCH_SOURCE,
+    "SUBMIT_SOURCE": flower.SUBMIT_SOURCE,
 }
 
 
@@ -108,6 +110,40 @@ def test_a_runs_serverapp_is_started_warm_only_where_superexec_is_the_checked_co
     with ProcessGroup(tmp_path / "logs", flower_env(tmp_path)) as procs:
         start_warm_serverapp(procs, (), tmp_path / SHIMS)
         assert procs.procs == [] and not (tmp_path / SHIMS).exists()
+
+
+def _app_and_home(tmp_path: Path) -> tuple[Path, Path]:
+    """A run's app folder as ``edgefl run`` packages it, and a FLWR_HOME naming a SuperLink nobody serves."""
+    import tomli_w
+
+    from contract.settings import build_config
+    from edgefl.launcher import app_project, write_flwr_home
+    from edgefl.processes import free_port
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text(tomli_w.dumps(app_project("edgefl", build_config(), tmp_path)))
+    write_flwr_home(tmp_path / ".flwr", f"127.0.0.1:{free_port()}", None)
+    return app, tmp_path / ".flwr"
+
+
+def test_flwr_run_in_this_process_is_refused_in_flowers_words_on_one_line(tmp_path: Path, capfd) -> None:
+    """``flwr run`` called in the submitter's process, against a SuperLink nobody serves: Flower's reason on one
+    line; its words kept from this process's output; FLWR_HOME as it was."""
+    app, home = _app_and_home(tmp_path)
+    before = os.environ.get("FLWR_HOME")
+    with pytest.raises(EdgeflError) as refused:
+        flower.flwr_run(app, "edgefl", home)
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith("Connection to the SuperLink is unavailable.")
+    assert os.environ.get("FLWR_HOME") == before
+    assert capfd.readouterr() == ("", "")
+
+
+def test_flwr_run_whose_code_differs_is_left_to_its_command(monkeypatch, tmp_path: Path) -> None:
+    app, home = _app_and_home(tmp_path)
+    monkeypatch.setitem(flower.SUBMIT_SOURCE, "flwr.cli.run.run.run", "0000000000000000")
+    assert flower.flwr_run(app, "edgefl", home) is None
 
 
 def test_another_flower_version_is_refused_or_left_stock_naming_both(monkeypatch) -> None:

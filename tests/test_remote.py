@@ -4,6 +4,7 @@ authentication), ``edgefl client`` per device (edge agent + SuperNode), runs sub
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -61,7 +62,8 @@ class Command:
         """SIGKILL the command and everything it started, as a crash of its machine would."""
         tree = process_tree([self.proc.pid])
         for pid in tree:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # ended in between: its parent's end signals it
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait()
 
     def interrupt(self) -> int:
