@@ -286,15 +286,14 @@ def refuse_unless_runtime_api() -> None:
     refuse_unless_checked(RUNTIME_SOURCE, RUNTIME_API)
 
 
-def serverapp_command() -> tuple[str | None, str]:
+def serverapp_command() -> str | None:
     """The command SuperExec starts a run's ServerApp as, by name from PATH, when ``LAUNCH_SOURCE`` holds the
-    installed flwr's code (else None), and why not."""
-    reason = why_differs(LAUNCH_SOURCE, WARM)
-    if reason is not None:
-        return None, reason
+    installed flwr's code; else None (``why_differs`` says why)."""
+    if why_differs(LAUNCH_SOURCE, WARM) is not None:
+        return None
     from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
 
-    return TASK_TYPE_TO_COMMAND[TaskType.SERVER_APP], ""
+    return TASK_TYPE_TO_COMMAND[TaskType.SERVER_APP]
 
 
 def flwr_run(app: Path, connection: str, flwr_home: Path) -> str | None:

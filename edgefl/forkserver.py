@@ -308,9 +308,13 @@ class _Callers:
         self.listener.listen(16)
         self.by_pid: dict[int, socket.socket] = {}
 
+    def listening(self) -> bool:
+        return self.listener.fileno() != -1
+
     def fds(self) -> list[int]:
         """What a forked child closes: the listener and every other shim's socket."""
-        return [self.listener.fileno(), *(conn.fileno() for conn in self.by_pid.values())]
+        listener = [self.listener.fileno()] if self.listening() else []
+        return [*listener, *(conn.fileno() for conn in self.by_pid.values())]
 
     def accept(self) -> tuple[socket.socket, dict[str, Any]] | None:
         """A shim's connection and its request (the child's to fork), or None when refused: another user's, or
@@ -377,6 +381,9 @@ def serve(channel: socket.socket, preload: list[str], command: ServedCommand | N
     pending = b""  # requests received, up to the last whole line
     open_channel = True
     while (open_channel and not stopping) or children:
+        if callers and (stopping or not open_channel) and callers.listening():
+            selector.unregister(callers.listener)
+            callers.listener.close()  # no new shim is answered: it runs the command itself
         closed = [channel.fileno(), wakeup_r, wakeup_w, *(callers.fds() if callers else [])]
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is channel:
@@ -389,7 +396,7 @@ def serve(channel: socket.socket, preload: list[str], command: ServedCommand | N
                 for line in lines:
                     _fork(json.loads(line), channel, children, closed)
             elif callers and key.fileobj is callers.listener:
-                if open_channel and not stopping and (asked := callers.accept()) is not None:
+                if (asked := callers.accept()) is not None:
                     conn, request = asked
                     pid = _fork(request, conn, children, [*closed, conn.fileno()])
                     for fd in request["fds"]:

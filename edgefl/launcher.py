@@ -224,7 +224,7 @@ def start_warm_serverapp(procs: ProcessGroup, prefix: tuple[str, ...], shims: Pa
     """The fork server of the runs' ServerApps and, in ``shims`` (first on the SuperLink's PATH: ``flower_env``),
     the shim SuperExec starts by the ServerApp's command name (``edgefl.forkserver``); nothing where the installed
     flwr starts its ServerApp otherwise (``contract.flower.serverapp_command``)."""
-    name, _ = serverapp_command()
+    name = serverapp_command()
     if name is None:
         return
     command = ServedCommand(name, "fl_server.warm", f"edgefl-serverapp-{os.getpid()}-{secrets.token_hex(6)}")

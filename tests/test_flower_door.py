@@ -101,11 +101,12 @@ def test_a_runs_serverapp_is_started_warm_only_where_superexec_is_the_checked_co
     from edgefl.launcher import SHIMS, flower_env, start_warm_serverapp
     from edgefl.processes import ProcessGroup
 
-    assert flower.serverapp_command() == ("flwr-serverapp", "")
+    assert flower.serverapp_command() == "flwr-serverapp"
     launch = "flwr.supercore.superexec.executor.subprocess_executor.SubprocessExecutor.launch"
     monkeypatch.setitem(flower.LAUNCH_SOURCE, launch, "0000000000000000")
-    name, reason = flower.serverapp_command()
-    assert name is None
+    assert flower.serverapp_command() is None
+    reason = flower.why_differs(flower.LAUNCH_SOURCE, flower.WARM)
+    assert reason is not None
     assert reason.startswith(f"{launch} is not the code edgefl starts a run's ServerApp warm by (source digest")
     with ProcessGroup(tmp_path / "logs", flower_env(tmp_path)) as procs:
         start_warm_serverapp(procs, (), tmp_path / SHIMS)

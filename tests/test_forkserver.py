@@ -125,13 +125,19 @@ def test_a_process_forked_into_a_network_namespace_lives_there(group: ProcessGro
         subprocess.run(["ip", "netns", "delete", name], check=True)
 
 
+def _listening(address: str) -> bool:
+    """Whether a socket listens on the abstract Unix ``address`` (/proc/net/unix: flags __SO_ACCEPTCON; the
+    connections it accepted are listed under its name too)."""
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return any(f[-1] == f"@{address}" and f[3] == "00010000" for f in (line.split() for line in lines) if len(f) > 7)
+
+
 def _shim(group: ProcessGroup, tmp_path: Path, serve: bool = True) -> tuple[dict[str, str], ServedCommand]:
     """A fork server serving ``demo-cmd`` (``forked_demo``) when ``serve``, its shim on PATH; the environment."""
     command = ServedCommand("demo-cmd", "forked_demo", f"edgefl-test-{os.getpid()}-{tmp_path.name}")
     if serve:
         group.start_forkserver("forkserver", "forked_demo", command=command)
-        bound = f"@{command.address}"  # how /proc/net/unix lists an abstract socket
-        group.wait_until("the fork server's socket", lambda: bound in Path("/proc/net/unix").read_text(), 60)
+        group.wait_until("the fork server's socket", lambda: _listening(command.address), 60)
     fallback = tmp_path / "real-demo-cmd"
     fallback.write_text("#!/bin/sh\necho not forked: $@\nexit 4\n")
     fallback.chmod(0o755)
@@ -184,6 +190,24 @@ def test_without_its_fork_server_the_shim_runs_the_command_itself(group: Process
     env, _ = _shim(group, tmp_path, serve=False)
     done = subprocess.run(["demo-cmd", "a", "b"], env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (4, "not forked: a b\n")
+
+
+def test_a_stopping_fork_server_answers_no_new_shim(group: ProcessGroup, tmp_path: Path) -> None:
+    """Sent SIGTERM, a fork server waits for its children to end; meanwhile a new shim runs the command itself."""
+    env, command = _shim(group, tmp_path)
+    server = next(proc for name, proc in group.procs if name == "forkserver")
+    shim = subprocess.Popen(["demo-cmd", "wait"], env=env, stdout=subprocess.PIPE, text=True)
+    assert shim.stdout is not None
+    shim.stdout.readline()  # its fork is running
+    server.send_signal(signal.SIGTERM)
+    group.wait_until("the socket to close", lambda: not _listening(command.address), 60)
+    done = subprocess.run(["demo-cmd", "late"], env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (4, "not forked: late\n")
+    assert server.poll() is None  # still waiting for its child
+    shim.send_signal(signal.SIGTERM)
+    assert shim.wait(timeout=60) == -signal.SIGTERM
+    assert server.wait(timeout=60) == 0
+    shim.stdout.close()
 
 
 @pytest.mark.root
