@@ -3,9 +3,9 @@
 
 Tests that start a deployment, a simulation or a Flower process are marked ``federation``; the rest, the fast
 tier, run with ``pytest -m "not federation"``. The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``):
-tests that share one federation (``shared_federation``) or start Ray are marked with one ``xdist_group`` so that
-they run on one worker, one after another; every check for what a test left behind counts only its own processes
-and namespaces."""
+tests that share one deployment (``shared_federation``, a module's SuperNode or killed run) or start Ray are marked
+with one ``xdist_group`` so that they run on one worker, one after another; every check for what a test left behind
+counts only its own processes and namespaces."""
 
 from __future__ import annotations
 
@@ -231,15 +231,31 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest first: tests that start a deployment run before the rest, so that on pytest-xdist's workers the
-    short ones fill the gaps at the end; the tests of one ``xdist_group`` (one shared federation, or Ray) one after
-    another, as they are sent to one worker (``--dist loadgroup``)."""
+    """The longest first: the ``xdist_group``s (each sent to one worker as a whole, ``--dist loadgroup``: a shared
+    federation, a module's deployment, Ray), each group's tests one after another; then the other tests that start
+    a deployment; then the rest, so that on pytest-xdist's workers the short ones fill the gaps at the end."""
 
-    def key(item: pytest.Item) -> tuple[bool, str]:
+    def key(item: pytest.Item) -> tuple[bool, bool, str]:
         group = item.get_closest_marker("xdist_group")
-        return item.get_closest_marker("federation") is None, group.args[0] if group else ""
+        return item.get_closest_marker("federation") is None, group is None, group.args[0] if group else ""
 
     items.sort(key=key)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On a pytest-xdist worker under ``--dist loadgroup``: fail a test of an ``xdist_group`` that the scheduler
+    was not told the group of. pytest-xdist tells it by a suffix of the test's node id, which pytest 9.2 no longer
+    takes (pytest-dev/pytest-xdist#1386): the group's tests would run on both workers, side by side, each worker
+    starting its own shared federation or Ray head. ``constraints.txt`` pins a pair that works."""
+    if not item.config.getoption("loadgroup", False):
+        return
+    names = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group")})
+    if names and not item.nodeid.endswith("@" + "_".join(names)):
+        pytest.fail(
+            f"pytest {pytest.__version__} with this pytest-xdist does not keep xdist_group {names[0]!r} on one "
+            "worker (pytest-dev/pytest-xdist#1386): install the versions in constraints.txt",
+            pytrace=False,
+        )
 
 
 def start_edgefl(*args: str) -> subprocess.Popen[str]:

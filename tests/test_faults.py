@@ -373,7 +373,7 @@ def test_a_client_whose_link_is_down_for_20_s_rejoins(run_dir: Path, shared_fede
     """On the testbed federation the next test submits its run to too (``SharedFederation``)."""
     shared = shared_federation(3, "home-wifi")
     testbed, procs = shared.federation.place.testbed, shared.federation.procs
-    config = shared.submit(run_dir, **TESTBED, rounds=24)
+    config = shared.submit(run_dir, **TESTBED, rounds=16)
     wait_for_rows(run_dir, lambda rows: len(rows) >= 2, "round 2")
     testbed.set_link_up(1, False)
     down_at, down_after = time.monotonic(), len(rows_so_far(run_dir))
@@ -481,6 +481,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledRun]:
 
 
 @pytest.mark.federation
+@pytest.mark.xdist_group("killed-run")  # on one pytest-xdist worker: one killed run for both
 def test_a_launcher_killed_with_sigkill_leaves_nothing_running(killed_run: KilledRun) -> None:
     """Every process of its federation — SuperLink, SuperExec, ServerApp, both agents and both SuperNodes — ends
     within 20 s of ``edgefl run``'s kill -9 (each is signalled by the kernel or watches its launcher's PID; Flower's
@@ -490,6 +491,7 @@ def test_a_launcher_killed_with_sigkill_leaves_nothing_running(killed_run: Kille
 
 
 @pytest.mark.federation
+@pytest.mark.xdist_group("killed-run")  # on one pytest-xdist worker: one killed run for both
 def test_a_server_killed_mid_run_resumes_from_its_checkpoint(killed_run: KilledRun) -> None:
     run_dir, rounds = killed_run.run_dir, killed_run.rounds
     checkpoint = RunFolder(run_dir).read_checkpoint()

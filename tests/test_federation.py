@@ -4,6 +4,7 @@ agent beside each serving its SuperNode's tasks, the app submitted with ``flwr r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -11,6 +12,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +20,9 @@ import pytest
 import torch
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
-from contract.devices import DEVICE_PROFILES
 from contract.run_folder import RunFolder, read_rounds
 from contract.settings import parse_partition
+from edge.devices import cpu_hierarchy
 from edgefl.launcher import flower_env
 from fl_client.tasks import TaskTiming
 from fl_server.app import STARTED
@@ -120,39 +122,56 @@ def test_dga_with_zero_delay_is_fedavg_in_the_deployment(run_dir: Path, shared_f
     np.testing.assert_allclose(RunFolder(run_dir).read_checkpoint().params, fedavg_3_rounds(), rtol=1e-5, atol=1e-6)
 
 
-def _steps_costing(cpu_s: float) -> int:
-    """Local steps of the digits CNN that take about ``cpu_s`` seconds of one core's CPU on this machine (timed
-    here, on 1 thread as the agent trains; CPU time, which a busy machine stretches less than wall time)."""
-    from ml.trainer import LocalTrainer
+HELD_QUOTA_US, HELD_PERIOD_US = 1_000, 1_000_000  # 0.1 % of a core: the smallest share a cgroup can give
 
-    dataset = load_dataset("digits")
-    trainer = LocalTrainer(build_model(dataset, 0), dataset.x_train, dataset.y_train, 32, 0.05, 0.9, seed=0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+
+@contextlib.contextmanager
+def _starved(core: Path, version: int) -> Iterator[None]:
+    """While inside: the emulated device core whose cgroup is ``core`` runs at 0.1 % of a core (its CPU quota);
+    then its own quota again."""
+    files = ["cpu.cfs_period_us", "cpu.cfs_quota_us"] if version == 1 else ["cpu.max"]
+    saved = {name: (core / name).read_text().strip() for name in files}
+    if version == 1:  # a longer period first: the quota may not exceed it
+        (core / "cpu.cfs_period_us").write_text(str(HELD_PERIOD_US))
+        (core / "cpu.cfs_quota_us").write_text(str(HELD_QUOTA_US))
+    else:
+        (core / "cpu.max").write_text(f"{HELD_QUOTA_US} {HELD_PERIOD_US}")
     try:
-        trainer.train_steps(20)  # warm-up: slower steps, which would make the run shorter than asked
-        started = time.thread_time()
-        trainer.train_steps(300)
-        return int(cpu_s / ((time.thread_time() - started) / 300))
+        yield
     finally:
-        torch.set_num_threads(threads)
+        for name in files if version == 2 else files[::-1]:  # v1: the quota back first, then its period
+            with contextlib.suppress(FileNotFoundError):  # the run ended: its cgroups are gone
+                (core / name).write_text(saved[name])
 
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="the rpi3 device profile's CPU cap needs root (cgroups)")
 def test_a_round_longer_than_flowers_task_heartbeat_timeout_completes(run_dir: Path) -> None:
     """Flower fails a task that sends no heartbeat for 60 s; the agent's task heartbeats keep a long one alive. The
-    round is long because the agent trains on a Raspberry Pi 3's core (a cgroup CPU cap), not because it burns a
-    core of the machine for 96 s."""
+    round is long because its device's training core (a Raspberry Pi 3's, a cgroup CPU cap) is held to 0.1 % of a
+    core for 64 s from the moment the agent's training thread is placed on it, while the agent's other threads go
+    on: a device starved of CPU, whatever this machine's speed, not one that burns a core of the machine for a
+    minute. The launcher places the thread once the run is submitted: the round it holds is round 1 if that had
+    not ended by then, else round 2."""
     timeout_s = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL
-    rpi3 = DEVICE_PROFILES["rpi3"]
-    steps = _steps_costing(1.6 * timeout_s * rpi3.cpu_fraction)  # 1.3 gave 64 s on a loaded host
-    args = ["--dataset", "digits", "--partition", "iid", "--clients", "1", "--rounds", "1", "--local-steps", str(steps)]
-    done = edgefl("run", *args, "--device-profile", "rpi3", "--eval-examples", "100", "--out", str(run_dir))
-    assert done.returncode == 0, done.stderr
-    (message,) = [m for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]]
-    assert message["train_s"] > timeout_s, "the round was not long enough to test anything"
-    assert read_rounds(run_dir)[0]["rejected"] == []
+    args = ["--dataset", "digits", "--partition", "iid", "--clients", "1", "--rounds", "2", "--local-steps", "100"]
+    proc = start_edgefl("run", *args, "--device-profile", "rpi3", "--eval-examples", "100", "--out", str(run_dir))
+    version, root = cpu_hierarchy()
+    core = root / f"edgefl-{proc.pid}-device-0" / "train"  # edgefl.launcher.device_caps's, under its pid
+    threads = core / ("tasks" if version == 1 else "cgroup.threads")
+    while not (threads.exists() and threads.read_text().strip()):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    with _starved(core, version):
+        until = time.monotonic() + timeout_s + 4  # the fault's length, as a link's outage is timed
+        while time.monotonic() < until:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    trained = [m["train_s"] for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]]
+    assert len(trained) == 2 and max(trained) > timeout_s, f"no round was long enough to test anything: {trained}"
+    assert [r["rejected"] for r in read_rounds(run_dir)] == [[], []]
 
 
 def test_a_failed_evaluation_stops_the_run_in_one_line_and_keeps_the_checkpoint(run_dir: Path) -> None:

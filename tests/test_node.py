@@ -27,6 +27,7 @@ from fl_client.tasks import ACQUIRE, HeldTask, TaskServer
 pytestmark = pytest.mark.federation
 
 CLAIM = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
+ONE_NODE = pytest.mark.xdist_group("node")  # the tests of the module's SuperNode: on one pytest-xdist worker
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def _client(port: int, *interceptors) -> RuntimeHttpClient:
     return RuntimeHttpClient.from_server_address(f"127.0.0.1:{port}", True, None, list(interceptors))
 
 
+@ONE_NODE
 def test_only_a_claim_signed_with_the_nodes_secret_is_served(node: NodeRuntime) -> None:
     signed = SuperExecAuthHttpInterceptor(master_secret=node.secret_file.read_bytes(), protected_methods={ACQUIRE})
     assert not _client(node.port, signed).AcquireTask(CLAIM).HasField("task")  # accepted: no task pending
@@ -61,6 +63,7 @@ def test_only_a_claim_signed_with_the_nodes_secret_is_served(node: NodeRuntime) 
         assert refused.value.response.status_code in (401, 403)
 
 
+@ONE_NODE
 def test_a_reply_under_a_task_token_nobody_claimed_is_refused(node: NodeRuntime, caplog) -> None:
     """Also what a restarted agent does with the task its predecessor held (fl_client.tasks.HeldTask) when the
     SuperNode already failed it (60 s without heartbeats) or restarted: its token is refused, the record dropped."""
@@ -86,6 +89,7 @@ def test_a_reply_under_a_task_token_nobody_claimed_is_refused(node: NodeRuntime,
     assert "does not hold a task (JSONDecodeError" in caplog.text
 
 
+@ONE_NODE
 def test_the_runtime_api_listens_on_the_devices_loopback_only(node: NodeRuntime) -> None:
     listening = [
         line.split()[1]
