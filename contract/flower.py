@@ -19,6 +19,8 @@ from here, and so does every check of the code edgefl relies on. No other module
   ServerApp (by name, from PATH), where ``edgefl.launcher`` puts a warm one's shim, else Flower starts its own.
   ``SUBMIT_SOURCE``: ``flwr run``, which ``edgefl.launcher.submit`` calls in its own process (``flwr_run``), else
   starts as a command.
+  ``PULL_SOURCE``: how the ServerApp's grid pulls replies, which ``contract.transport.pull_replies`` does with each
+  reply's objects pulled beside the others'; else the grid's own ``pull_messages``.
   ``GRID_SOURCE``: Flower's own FedAvg loop and the grids' ``send_and_receive``, through which
   ``fl_server.baseline`` meters it (``meter_grid``). ``RUNTIME_SOURCE`` and ``GRID_SOURCE`` have no stock
   to fall back to: where their code differs, they refuse in one line (``EdgeflError``).
@@ -66,22 +68,25 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
     "flwr.app.message": ("remove_content_from_message", "make_message"),  # make_message: contract.transport
     "flwr.common.constant": ("ErrorCode", "SubStatus"),  # ErrorCode: fl_server.engine too
     "flwr.common.serde": ("context_from_proto", "context_to_proto", "message_from_proto", "message_to_proto"),
-    "flwr.proto.message_pb2": ("Message as MessageProto",),
+    "flwr.proto.message_pb2": ("Message as MessageProto", "ConfirmMessageReceivedRequest"),  # the latter: pull_replies
     "flwr.proto.node_pb2": ("Node",),
     "flwr.proto.runtime_pb2": (
         "AcquireTaskRequest", "PullAppMessagesRequest", "PullTaskInputRequest", "PushAppMessagesRequest",
         "PushTaskOutputRequest", "SendTaskHeartbeatRequest",
     ),
-    "flwr.supercore.constant": ("TaskType",),
+    "flwr.supercore.constant": ("TaskType", "SYSTEM_MESSAGE_TYPE"),  # the latter: contract.transport.pull_replies
     "flwr.supercore.heartbeat": ("HeartbeatSender",),
     "flwr.supercore.inflatable.inflatable_object": (
         "get_all_nested_objects", "get_object_tree", "no_object_id_recompute",
-        "get_object_body",  # contract.transport
+        "get_object_body", "iterate_object_tree",  # contract.transport
     ),
     "flwr.supercore.inflatable.inflatable_protobuf_utils": (
         "make_confirm_message_received_fn_protobuf", "make_pull_object_fn_protobuf", "make_push_object_fn_protobuf",
     ),
-    "flwr.supercore.inflatable.inflatable_utils": ("pull_and_inflate_object_from_tree", "push_objects"),
+    "flwr.supercore.inflatable.inflatable_utils": (
+        "pull_and_inflate_object_from_tree", "push_objects",
+        "ObjectPullError", "inflate_object_from_contents",  # contract.transport.pull_replies
+    ),
     "flwr.supercore.interceptors": (
         "RuntimeTokenHttpInterceptor", "RuntimeVersionHttpInterceptor", "SuperExecAuthHttpInterceptor",
     ),
@@ -94,6 +99,9 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
     "flwr.supernode.cli.flower_supernode": ("flower_supernode",),
     # contract.transport.message_bytes
     "flwr.proto.recorddict_pb2": ("ConfigRecord as ProtoConfigRecord",),
+    # contract.transport.pull_replies: the ServerApp's grid, as Flower's HttpGrid.pull_messages pulls replies
+    "flwr.superlink.grid.http_grid": ("HttpGrid",),
+    "flwr.supercore.date": ("now",),
     # fl_server.app: its last word on Flower's exit
     "flwr.supercore.exit": ("add_exit_handler",),
     "flwr.cli.constant": ("FLOWER_CONFIG_FILE",),  # edgefl.launcher: the file flwr's CLI reads its federations from
@@ -125,6 +133,10 @@ TUNED_SOURCE = {
     "flwr.supercore.inflatable.inflatable_utils.push_object_contents_from_iterable": "89d2efe1cf720c91",
     "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
 }
+
+# how the ServerApp's grid pulls replies, which contract.transport.pull_replies does with each reply's objects pulled
+# beside the others'; where it differs, the grid's own pull_messages
+PULL_SOURCE = {"flwr.superlink.grid.http_grid.HttpGrid.pull_messages": "67a5266a5a2ed515"}
 
 # the serialization contract.transport.message_bytes mirrors
 COUNT_SOURCE = {

@@ -28,6 +28,14 @@ This module also reads Flower's serialization, changing nothing: ``message_bytes
 takes on the wire (every object of its tree, deflated) without serializing its bytes values — a 15 MB reply
 serialized is four copies of it at once — by arithmetic that mirrors the functions in ``COUNT_SOURCE``; where
 their code differs it serializes the whole message, as Flower does.
+
+The ServerApp pulls its replies through ``pull_replies``: Flower's ``HttpGrid.pull_messages`` takes every reply
+the SuperLink lists, pulls their objects one reply after another and returns them all at once, so a reply whose
+upload has stalled (a device that lost its link mid-upload) holds every reply listed with it for as long as its
+own objects are waited for (``PULL_MAX_S``). ``pull_replies`` makes the same calls with the replies of different
+nodes pulled side by side, and gives each reply as soon as its own objects are in (one node's in their order);
+where ``PULL_SOURCE`` differs, or the grid is not Flower's ``HttpGrid``, or Flower runs stock, it is the grid's
+own ``pull_messages``.
 """
 
 from __future__ import annotations
@@ -36,15 +44,18 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from contract.flower import COUNT_SOURCE, TUNED_SOURCE, code_key, why_differs
+from contract.flower import COUNT_SOURCE, PULL_SOURCE, TUNED_SOURCE, code_key, set_message_id, why_differs
 
 if TYPE_CHECKING:
     from flwr.app import ConfigRecord, Message
+    from flwr.serverapp import Grid
 
 log = logging.getLogger("edgefl.transport")
 
@@ -297,3 +308,109 @@ def tune() -> str:
             log.warning("edgefl: Flower's stock message path (%s)", reason)
             _applied = STOCK
     return _applied
+
+
+def why_pulled_whole() -> str | None:
+    """None when ``pull_replies`` may pull each reply's objects beside the others'; otherwise why the grid's own
+    ``pull_messages`` is used (one line)."""
+    return "Flower's message path is stock here" if _applied != FAST else _pull_source_differs()
+
+
+@functools.cache
+def _pull_source_differs() -> str | None:
+    return _why_differs(PULL_SOURCE, "pulls replies by")
+
+
+def pull_replies(grid: Grid, message_ids: list[str]) -> Iterator[Message]:
+    """The replies the SuperLink lists for ``message_ids``, each as soon as its own objects are in (``pull_listed``,
+    through the grid's Runtime API client); elsewhere (module docstring) the grid's own ``pull_messages``."""
+    from contract.flower import HttpGrid
+
+    if why_pulled_whole() is not None or type(grid) is not HttpGrid:
+        yield from grid.pull_messages(message_ids)
+        return
+    yield from pull_listed(grid._runtime_client, grid.node, grid._run.run_id, message_ids)
+
+
+def pull_listed(client: Any, node: Any, run_id: int, message_ids: list[str]) -> Iterator[Message]:
+    """Flower's ``HttpGrid.pull_messages`` call by call over the Runtime API ``client`` (the list, each reply's
+    objects, its receipt confirmed), with the replies of different nodes pulled side by side: each is given once
+    its own objects are in and one node's replies in the order they were listed, as Flower's grid gives them (the
+    server's bookkeeping of what a node holds follows its replies in order). A reply whose objects cannot be had
+    within ``PULL_MAX_S`` comes as Flower's "message unavailable" error reply."""
+    import httpx
+
+    from contract.flower import PullAppMessagesRequest
+
+    try:
+        listed = client.PullMessages(PullAppMessagesRequest(message_ids=message_ids))
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != httpx.codes.REQUEST_ENTITY_TOO_LARGE:
+            raise
+        log.error("edgefl: the SuperLink refused to list replies (%s): too many asked at once", exc)
+        return
+    replies = list(zip(listed.messages_list, listed.message_object_trees, strict=True))
+    by_node: dict[int, list[tuple[Any, Any]]] = {}
+    for reply in replies:
+        by_node.setdefault(reply[0].metadata.src_node_id, []).append(reply)
+    if len(by_node) <= 1:  # most polls: nothing, or one node's replies
+        yield from (_pull_reply(client, node, run_id, *reply) for reply in replies)
+        return
+    pulled: queue.SimpleQueue[Message | BaseException] = queue.SimpleQueue()
+
+    def pull_in_order(node_replies: list[tuple[Any, Any]]) -> None:
+        try:
+            for reply in node_replies:
+                pulled.put(_pull_reply(client, node, run_id, *reply))
+        except BaseException as exc:  # raised where the replies are taken
+            pulled.put(exc)
+
+    with ThreadPoolExecutor(max_workers=min(len(by_node), CONCURRENCY), thread_name_prefix="reply") as pool:
+        for node_replies in by_node.values():
+            pool.submit(pull_in_order, node_replies)
+        for _ in replies:
+            item = pulled.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def _pull_reply(client: Any, node: Any, run_id: int, proto: Any, tree: Any) -> Message:
+    """One listed reply, as ``HttpGrid.pull_messages`` brings each: its objects, its receipt confirmed, the message
+    inflated with its id; or Flower's error reply when its objects cannot be had."""
+    from flwr.app import Error, Metadata
+
+    from contract.flower import (
+        SYSTEM_MESSAGE_TYPE,
+        ConfirmMessageReceivedRequest,
+        ErrorCode,
+        ObjectPullError,
+        inflatable_utils,
+        inflate_object_from_contents,
+        iterate_object_tree,
+        make_message,
+        make_pull_object_fn_protobuf,
+        now,
+    )
+
+    message_id = proto.metadata.message_id
+    try:
+        pull_object = make_pull_object_fn_protobuf(pull_object_protobuf=client.PullObject, node=node, run_id=run_id)
+        contents = inflatable_utils.pull_objects(
+            object_ids=[subtree.object_id for subtree in iterate_object_tree(tree)], pull_object_fn=pull_object
+        )
+    except ObjectPullError as exc:
+        metadata = Metadata(
+            run_id=run_id, message_id="", src_node_id=node.node_id, dst_node_id=node.node_id,
+            message_type=SYSTEM_MESSAGE_TYPE, group_id="", ttl=0,
+            reply_to_message_id=proto.metadata.reply_to_message_id, created_at=now().timestamp(),
+        )  # fmt: skip
+        reason = (
+            "Reply message objects are unavailable. The sender may not have completed the upload before the "
+            f"object-push session expired. {exc}"
+        )  # Flower's words
+        return make_message(metadata=metadata, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=reason))
+    client.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=node, run_id=run_id, message_object_id=message_id))
+    message = inflate_object_from_contents(message_id, contents)
+    set_message_id(message, message_id)
+    return message

@@ -63,7 +63,7 @@ from contract.run_folder import (
     truncate_rounds,
 )
 from contract.settings import RunConfig
-from contract.transport import FAST, STOCK
+from contract.transport import FAST, STOCK, pull_replies
 from contract.wire import WireError, WireSize, parse_reply, reply_key, train_message, wire_size
 from fl_server.membership import Membership, PushRefused, RoundStuck
 from fl_server.robust import make_aggregator
@@ -328,8 +328,9 @@ class ReplyPuller:
     Flower's SuperLink lists a reply once its message is pushed, before its objects have all arrived, and forgets
     the message it answers; the call that took the reply then waits for its objects — up to ``PULL_MAX_S`` when
     the device froze or lost its link mid-upload. Meanwhile the loop goes on closing rounds at their deadlines,
-    and once every running call is ``PULL_STALLED_S`` old another starts beside them and takes the other replies
-    (one listed with the stalled reply waits with it). To a call beside an older one the SuperLink answers the
+    and once every running call is ``PULL_STALLED_S`` old another starts beside them and takes the other replies;
+    a reply listed with the stalled one comes as soon as its own objects are in (``contract.transport.pull_replies``
+    pulls each listed reply's objects beside the others'). To a call beside an older one the SuperLink answers the
     message the older call holds with "message unavailable": such answers are dropped, the older call brings the
     reply (a message that is gone indeed is answered so again once no older call runs). Listing is not atomic: two
     calls listing at one moment may both take a reply, and the loop settles the first copy only. Daemon threads:
@@ -380,7 +381,7 @@ class ReplyPuller:
     def _pull(self, message_ids: list[str], beside_older: bool) -> None:
         brought = False
         try:
-            for reply in self.grid.pull_messages(message_ids):
+            for reply in pull_replies(self.grid, message_ids):
                 if beside_older and reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:
                     continue  # an older call may hold it
                 self._pulled.put(Pulled(reply, parsed_reply(reply), wire_size(reply), time.monotonic()))

@@ -32,6 +32,7 @@ TABLES = {
     "GRID_SOURCE": flower.GRID_SOURCE,
     "LAUNCH_SOURCE": flower.LAUNCH_SOURCE,
     "SUBMIT_SOURCE": flower.SUBMIT_SOURCE,
+    "PULL_SOURCE": flower.PULL_SOURCE,
 }
 
 

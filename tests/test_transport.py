@@ -8,8 +8,29 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-from contract.transport import IDLE_POLL_S
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app.message import remove_content_from_message
+from flwr.app.metadata import Metadata
+from flwr.common.serde import message_to_proto
+from flwr.proto.message_pb2 import (  # pylint: disable=E0611
+    ConfirmMessageReceivedRequest,
+    ConfirmMessageReceivedResponse,
+    ObjectTree,
+    PullObjectRequest,
+    PullObjectResponse,
+)
+from flwr.proto.message_pb2 import Message as MessageProto  # pylint: disable=E0611
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullAppMessagesResponse  # pylint: disable=E0611
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+
+from contract.flower import set_message_id
+from contract.transport import IDLE_POLL_S, pull_listed, pull_replies, why_pulled_whole
 from tests.conftest import REPO
 
 
@@ -163,3 +184,101 @@ def test_the_pipelined_supernode_pulls_and_pushes_independently(monkeypatch) -> 
     state.replies = ["reply-1", "reply-2"]
     pipeline.push(**kwargs)
     assert pushed == [["reply-1", "reply-2"]] and idle.delay == IDLE_POLL_S[0]
+
+
+def _reply(node_id: int, value: float) -> tuple[Message, dict[str, bytes], MessageProto, ObjectTree]:
+    """A reply of node ``node_id`` as the SuperLink holds it once pushed: the message, its objects by id, and its
+    proto and object tree as PullMessages lists it."""
+    metadata = Metadata(
+        run_id=1, message_id="", src_node_id=node_id, dst_node_id=0, reply_to_message_id=f"{value:064.0f}",
+        group_id="1", created_at=time.time(), ttl=3600, message_type="train",
+    )  # fmt: skip
+    content = RecordDict({"update": ArrayRecord({"w": Array(np.full(1000, value, np.float32))})})
+    message = Message(content, metadata=metadata)
+    objects = {object_id: obj.deflate() for object_id, obj in get_all_nested_objects(message).items()}
+    set_message_id(message, message.object_id)
+    return message, objects, message_to_proto(remove_content_from_message(message)), get_object_tree(message)
+
+
+class _StalledUpload:
+    """The SuperLink's Runtime API, scripted where a real one cannot be made to stall on cue: ``replies`` are
+    listed, in their order, and the objects of ``stalled`` are still on their way (PullObject: found, not
+    available) until ``arrived`` is set; what was asked for before is in ``asked_before``."""
+
+    def __init__(self, replies: list[tuple], stalled: tuple) -> None:
+        self.replies = replies
+        self.stalled = set(stalled[1])
+        self.arrived = threading.Event()
+        self.asked_before: set[str] = set()
+        self.confirmed: list[str] = []
+
+    def PullMessages(self, request: PullAppMessagesRequest) -> PullAppMessagesResponse:
+        return PullAppMessagesResponse(
+            messages_list=[proto for _, _, proto, _ in self.replies],
+            message_object_trees=[tree for _, _, _, tree in self.replies],
+        )
+
+    def PullObject(self, request: PullObjectRequest) -> PullObjectResponse:
+        if not self.arrived.is_set():
+            self.asked_before.add(request.object_id)
+            if request.object_id in self.stalled:
+                return PullObjectResponse(object_found=True, object_available=False)
+        content = next(objects[request.object_id] for _, objects, _, _ in self.replies if request.object_id in objects)
+        return PullObjectResponse(object_found=True, object_available=True, object_content=content)
+
+    def ConfirmMessageReceived(self, request: ConfirmMessageReceivedRequest) -> ConfirmMessageReceivedResponse:
+        self.confirmed.append(request.message_object_id)
+        return ConfirmMessageReceivedResponse()
+
+
+def test_a_reply_listed_with_a_stalled_upload_comes_as_soon_as_its_own_objects_are_in() -> None:
+    """Flower's grid pulls the listed replies' objects one reply after another and returns them together: a reply
+    listed behind one whose upload stalled waited for it (up to 60 s, a round past its deadline). ``pull_listed``
+    gives another node's at once; the stalled node's replies come once its objects are in, in their order (the
+    server follows what a node holds by its replies), each whole and its receipt confirmed."""
+    stalled, later, other = _reply(1, 1.0), _reply(1, 3.0), _reply(2, 2.0)
+    runtime = _StalledUpload([stalled, later, other], stalled)
+    replies = pull_listed(runtime, Node(node_id=0), 1, ["a", "b", "c"])
+    with ThreadPoolExecutor(1) as waiter:  # a pull that waits for the stalled upload fails here, it does not hang
+        try:
+            first = waiter.submit(next, replies).result(timeout=20)
+            assert first.metadata.message_id == other[0].metadata.message_id
+            assert runtime.confirmed == [other[0].metadata.message_id]
+        finally:
+            runtime.arrived.set()  # its objects arrive (and end a pull that waited for them)
+        rest = [waiter.submit(next, replies).result(timeout=20) for _ in range(2)]
+    assert not runtime.asked_before & set(later[1]), "node 1's second reply was pulled before its first"
+    pulled = [first, *rest]
+    assert [p.metadata.message_id for p in pulled] == [r[0].metadata.message_id for r in (other, stalled, later)]
+    assert runtime.confirmed == [p.metadata.message_id for p in pulled]
+    for reply, (sent, *_) in zip(pulled, (other, stalled, later), strict=True):
+        np.testing.assert_array_equal(reply.content["update"]["w"].numpy(), sent.content["update"]["w"].numpy())
+        assert reply.metadata.reply_to_message_id == sent.metadata.reply_to_message_id
+    assert next(replies, None) is None
+    runtime.replies = []  # most polls: nothing listed
+    assert list(pull_listed(runtime, Node(node_id=0), 1, ["a"])) == []
+
+
+def test_a_grid_pull_that_differs_is_flowers_own() -> None:
+    """After an upgrade that changes ``HttpGrid.pull_messages``, the ServerApp (tuned) pulls replies by the grid's
+    own call."""
+    done = _python("""
+        import contract.transport as transport
+        transport.PULL_SOURCE["flwr.superlink.grid.http_grid.HttpGrid.pull_messages"] = "0000000000000000"
+        print(transport.tune())
+        print(transport.why_pulled_whole())
+    """)
+    assert done.returncode == 0, done.stderr
+    tuned, reason = done.stdout.strip().splitlines()
+    assert tuned == "fast" and "pull_messages is not the code edgefl pulls replies by" in reason, done.stdout
+
+
+def test_an_untuned_process_pulls_replies_through_the_grids_own_call() -> None:
+    """Where Flower runs stock (this test process never tunes it), the grid's own ``pull_messages``."""
+
+    class Grid:
+        def pull_messages(self, message_ids: list[str]) -> list[str]:
+            return [f"reply to {message_id}" for message_id in message_ids]
+
+    assert why_pulled_whole() == "Flower's message path is stock here"
+    assert list(pull_replies(Grid(), ["a", "b"])) == ["reply to a", "reply to b"]
