@@ -19,8 +19,8 @@ from here, and so does every check of the code edgefl relies on. No other module
   ServerApp (by name, from PATH), where ``edgefl.launcher`` puts a warm one's shim, else Flower starts its own.
   ``SUBMIT_SOURCE``: ``flwr run``, which ``edgefl.launcher.submit`` calls in its own process (``flwr_run``), else
   starts as a command.
-  ``PULL_SOURCE``: how the ServerApp's grid pulls replies, which ``contract.transport.pull_replies`` does with each
-  reply's objects pulled beside the others'; else the grid's own ``pull_messages``.
+  ``PULL_SOURCE``: how the ServerApp's grid pulls replies, which ``contract.transport.pull_replies`` does with
+  different nodes' replies pulled side by side; else the grid's own ``pull_messages``.
   ``GRID_SOURCE``: Flower's own FedAvg loop and the grids' ``send_and_receive``, through which
   ``fl_server.baseline`` meters it (``meter_grid``). ``RUNTIME_SOURCE`` and ``GRID_SOURCE`` have no stock
   to fall back to: where their code differs, they refuse in one line (``EdgeflError``).
@@ -134,8 +134,8 @@ TUNED_SOURCE = {
     "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
 }
 
-# how the ServerApp's grid pulls replies, which contract.transport.pull_replies does with each reply's objects pulled
-# beside the others'; where it differs, the grid's own pull_messages
+# how the ServerApp's grid pulls replies, which contract.transport.pull_replies does with different nodes' replies
+# pulled side by side; where it differs, the grid's own pull_messages
 PULL_SOURCE = {"flwr.superlink.grid.http_grid.HttpGrid.pull_messages": "67a5266a5a2ed515"}
 
 # the serialization contract.transport.message_bytes mirrors

@@ -311,7 +311,7 @@ def tune() -> str:
 
 
 def why_pulled_whole() -> str | None:
-    """None when ``pull_replies`` may pull each reply's objects beside the others'; otherwise why the grid's own
+    """None when ``pull_replies`` may pull different nodes' replies side by side; otherwise why the grid's own
     ``pull_messages`` is used (one line)."""
     return "Flower's message path is stock here" if _applied != FAST else _pull_source_differs()
 

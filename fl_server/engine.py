@@ -329,12 +329,12 @@ class ReplyPuller:
     the message it answers; the call that took the reply then waits for its objects — up to ``PULL_MAX_S`` when
     the device froze or lost its link mid-upload. Meanwhile the loop goes on closing rounds at their deadlines,
     and once every running call is ``PULL_STALLED_S`` old another starts beside them and takes the other replies;
-    a reply listed with the stalled one comes as soon as its own objects are in (``contract.transport.pull_replies``
-    pulls each listed reply's objects beside the others'). To a call beside an older one the SuperLink answers the
-    message the older call holds with "message unavailable": such answers are dropped, the older call brings the
-    reply (a message that is gone indeed is answered so again once no older call runs). Listing is not atomic: two
-    calls listing at one moment may both take a reply, and the loop settles the first copy only. Daemon threads:
-    a call still waiting does not hold the server's exit."""
+    another node's reply listed with the stalled one comes as soon as its own objects are in
+    (``contract.transport.pull_replies`` pulls different nodes' replies side by side). To a call beside an older
+    one the SuperLink answers the message the older call holds with "message unavailable": such answers are
+    dropped, the older call brings the reply (a message that is gone indeed is answered so again once no older call
+    runs). Listing is not atomic: two calls listing at one moment may both take a reply, and the loop settles the
+    first copy only. Daemon threads: a call still waiting does not hold the server's exit."""
 
     def __init__(self, grid: Grid, calls: int = PULL_CALLS) -> None:
         self.grid = grid

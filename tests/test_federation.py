@@ -158,9 +158,10 @@ def test_a_round_longer_than_flowers_task_heartbeat_timeout_completes(run_dir: P
     proc = start_edgefl("run", *args, "--device-profile", "rpi3", "--eval-examples", "100", "--out", str(run_dir))
     version, root = cpu_hierarchy()
     core = root / f"edgefl-{proc.pid}-device-0" / "train"  # edgefl.launcher.device_caps's, under its pid
-    threads = core / ("tasks" if version == 1 else "cgroup.threads")
+    threads, deadline = core / ("tasks" if version == 1 else "cgroup.threads"), time.monotonic() + 120
     while not (threads.exists() and threads.read_text().strip()):
         assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the agent's training thread was not placed on its core within 120 s"
         time.sleep(0.01)
     with _starved(core, version):
         until = time.monotonic() + timeout_s + 4  # the fault's length, as a link's outage is timed
