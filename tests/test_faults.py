@@ -453,6 +453,9 @@ class KilledRun:
     left: list[str]  # those still running 20 s after it
 
 
+ONE_KILLED_RUN = pytest.mark.xdist_group("killed-run")  # the tests of one killed run: on one pytest-xdist worker
+
+
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledRun]:
     """kill -9 of ``edgefl run`` mid-run (what an OOM kill or a power cut of the launcher does), once round 3's row
@@ -481,7 +484,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledRun]:
 
 
 @pytest.mark.federation
-@pytest.mark.xdist_group("killed-run")  # on one pytest-xdist worker: one killed run for both
+@ONE_KILLED_RUN
 def test_a_launcher_killed_with_sigkill_leaves_nothing_running(killed_run: KilledRun) -> None:
     """Every process of its federation — SuperLink, SuperExec, ServerApp, both agents and both SuperNodes — ends
     within 20 s of ``edgefl run``'s kill -9 (each is signalled by the kernel or watches its launcher's PID; Flower's
@@ -491,7 +494,7 @@ def test_a_launcher_killed_with_sigkill_leaves_nothing_running(killed_run: Kille
 
 
 @pytest.mark.federation
-@pytest.mark.xdist_group("killed-run")  # on one pytest-xdist worker: one killed run for both
+@ONE_KILLED_RUN
 def test_a_server_killed_mid_run_resumes_from_its_checkpoint(killed_run: KilledRun) -> None:
     run_dir, rounds = killed_run.run_dir, killed_run.rounds
     checkpoint = RunFolder(run_dir).read_checkpoint()
