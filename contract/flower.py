@@ -68,7 +68,10 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
     "flwr.app.message": ("remove_content_from_message", "make_message"),  # make_message: contract.transport
     "flwr.common.constant": ("ErrorCode", "SubStatus"),  # ErrorCode: fl_server.engine too
     "flwr.common.serde": ("context_from_proto", "context_to_proto", "message_from_proto", "message_to_proto"),
-    "flwr.proto.message_pb2": ("Message as MessageProto", "ConfirmMessageReceivedRequest"),  # the latter: pull_replies
+    "flwr.proto.message_pb2": (
+        "Message as MessageProto",
+        "ConfirmMessageReceivedRequest",  # contract.transport.pull_replies
+    ),
     "flwr.proto.node_pb2": ("Node",),
     "flwr.proto.runtime_pb2": (
         "AcquireTaskRequest", "PullAppMessagesRequest", "PullTaskInputRequest", "PushAppMessagesRequest",

@@ -5,18 +5,22 @@ every run (~1 s of CPU before the process asks the SuperLink for its run). The f
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 from collections.abc import Callable
 
-COMMAND = "flwr-serverapp"
+from contract.flower import serverapp_command
+
 forked = False  # this process is a ServerApp forked warm (said in the run's server.log: fl_server.app)
 SERVERAPP = "fl_server.app"  # edgefl's ServerApp (Flower's FedAvg baseline, which imports torch, is not preloaded)
 
 
+@functools.cache
 def entry_point() -> Callable[[], None]:
-    """The installed flwr's ``flwr-serverapp`` console script: the function its command runs."""
-    (script,) = importlib.metadata.entry_points(group="console_scripts", name=COMMAND)
+    """The console script of the command SuperExec starts a ServerApp as (``serverapp_command``, which the fork
+    server was started for): the function that command runs. Found once, in the server's preload."""
+    (script,) = importlib.metadata.entry_points(group="console_scripts", name=serverapp_command())
     return script.load()
 
 
