@@ -38,7 +38,7 @@ from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run
 from fl_client.tasks import TaskTiming
 from fl_server.simulation import host_step_s
-from netem.clock import MESSAGE_FIXED_S, device_step_s
+from netem.clock import MESSAGE_FIXED_S
 
 AIM = 0.20  # |modelled / real − 1| the issue asks for
 
@@ -84,7 +84,7 @@ def main() -> int:
                 "real_final_accuracy": real["final_accuracy"], "simulated_final_accuracy": sim["final_accuracy"],
             }  # fmt: skip
             real_dir, sim_dir = (run_dir_for(outs[f], profile, strategy) for f in ("local", "simulation"))
-            budget = _budget(real_dir, sim_dir, real["local_steps"], device_step_s(device, sim["clock"]["host_step_s"]))
+            budget = _budget(real_dir, sim_dir, real["local_steps"], device.step_s(sim["clock"]["host_step_s"]))
             figures[f"{profile}/{strategy}"]["budget"] = budget
             budget_rows.append(
                 f"| {profile} | {strategy} | {budget['testbed_cycle_s']:.2f} | {budget['testbed_cycle_p90_s']:.2f} | "
@@ -137,7 +137,7 @@ def fit_device_terms(device_name: str, out: Path) -> int:
     """FedAvg over lan with the CNN and LEAF's LSTM: each run's message path R and message bytes give one equation
     c·(R − F) = F_d + H·MB; two give F_d and H."""
     device = device_profile(device_name)
-    share = device.cpu_fraction or 1.0
+    share = device.shares().message or 1.0  # a message cycle's own work runs on the messaging cores
     points = {}
     for name, settings in FIT_RUNS.items():
         config = build_config(
@@ -154,8 +154,8 @@ def fit_device_terms(device_name: str, out: Path) -> int:
     per_mb = (y_large - y_small) / (large - small)
     fixed = y_small - per_mb * small
     text = "\n".join([
-        f"FedAvg over lan, 4 clients on {device_name} (cores of {share} of this host's), 8 rounds; R = the median "
-        "message path (messages.jsonl path_s), MB = a message cycle's bytes both ways:",
+        f"FedAvg over lan, 4 clients on {device_name} (messaging cores of {share} of this host's), 8 rounds; R = the "
+        "median message path (messages.jsonl path_s), MB = a message cycle's bytes both ways:",
         "",
         "| model | MB a cycle | R s | c·(R − F) s |",
         "|---|---|---|---|",

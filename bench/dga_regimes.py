@@ -39,7 +39,6 @@ from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run
 from fl_server.simulation import host_step_s
-from netem.clock import device_step_s
 from strategies.dga import regime_bounds
 
 AIM = 0.20  # |simulated / testbed − 1| of seconds per round
@@ -133,7 +132,7 @@ def clock_round_s(summary: dict[str, Any]) -> float:
     """T of a simulated run: a round's K local steps on its device as the clock times them (this host's step over
     the device's share of a core)."""
     device = device_profile(summary["device_profile"])
-    return summary["local_steps"] * device_step_s(device, summary["clock"]["host_step_s"])
+    return summary["local_steps"] * device.step_s(summary["clock"]["host_step_s"])
 
 
 def spot_checks(runs_root: Path, out: Path) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import Any
 import tomli_w
 
 from contract.errors import EdgeflError, PeerError
-from ml.catalog import PARTITIONS, ModelError, check_model_for
+from ml.catalog import DATASET_KINDS, PARTITIONS, ModelError, check_model_for, resolve_model
 from strategies.codecs import CodecSpec, parse_codec
 from strategies.registry import app_of, mean_only, parse_strategy
 from strategies.sampling import Sampler, parse_clients_per_round
@@ -105,6 +105,14 @@ class RunConfig:
     @property
     def name(self) -> str:
         return Path(self.out).name
+
+    @property
+    def step_key(self) -> tuple[str, str, int]:
+        """(model, data set, batch size), the model's name resolved from ``auto``: what a device profile file's
+        measured training step must be of for the clock to take it (``contract.devices.DeviceProfile.step_s``)."""
+        kind = DATASET_KINDS.get(self.dataset)
+        model = resolve_model(self.model, kind, self.dataset).name if kind else self.model
+        return model, self.dataset, self.batch_size
 
     def evaluates(self, round_: int) -> bool:
         """Whether the global model after ``round_`` is evaluated: every ``eval_every`` rounds and the last."""

@@ -23,23 +23,33 @@ Agreement, and why these tolerances:
 
 from __future__ import annotations
 
+import copy
+import os
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
+from contract.devices import TrainStep, profile_record
+from contract.kernels import DEVICE, KernelSpeeds, dgemm_gflops, nbody_s_per_step
 from contract.run_folder import RunFolder
 from contract.settings import ConfigError, load_config
 from ml.catalog import AUTO, resolve_model
 from ml.data import DATASET_NAMES, HF_PREFIX, DataError, Dataset, load_dataset
 from ml.models import ModelError, build_model, set_flat_params
 from ml.onnx import EVAL_BATCH, OnnxClassifier, export_onnx, quantize_int8
+from ml.trainer import seconds_per_step
+
+if TYPE_CHECKING:
+    from edge.devices import DeviceCaps
 
 FP32_MAX_LOGIT_DIFF = 1e-4
 INT8_MIN_TOP1_AGREEMENT = 0.97
@@ -64,6 +74,7 @@ class BenchTarget:
     model: nn.Module
     dataset: Dataset
     label: str
+    model_name: str  # ml.catalog's name, resolved from auto
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,8 @@ def load_target(spec: str, data_dir: str | None = None, model: str = AUTO) -> Be
     if spec in DATASET_NAMES or spec.startswith(HF_PREFIX):
         dataset = load_dataset(spec, data_dir)
         name = resolve_model(model, dataset.kind, dataset.name).name
-        return BenchTarget(build_model(dataset, FRESH_MODEL_SEED, model), dataset, f"fresh {name} for {dataset.name}")
+        label = f"fresh {name} for {dataset.name}"
+        return BenchTarget(build_model(dataset, FRESH_MODEL_SEED, model), dataset, label, name)
     if path.exists() or "/" in spec:
         raise BenchError(f"{spec} is not a run folder: {'it is a file' if path.exists() else 'no such folder'}")
     raise BenchError(
@@ -135,7 +147,32 @@ def _run_target(run_dir: Path) -> BenchTarget:
         set_flat_params(model, checkpoint.params)
     except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, ModelError) as err:
         raise BenchError(f"{folder.checkpoint_path} does not hold this run's model: {err}") from None
-    return BenchTarget(model, dataset, f"run {run_dir} (global model after round {checkpoint.round})")
+    label = f"run {run_dir} (global model after round {checkpoint.round})"
+    return BenchTarget(model, dataset, label, config.step_key[0])
+
+
+def device_figures(target: BenchTarget, batch_size: int, name: str, cap: DeviceCaps) -> dict:
+    """This device's own figures, as a device profile file holds them (``contract.devices.profile_record``): DGEMM
+    and a local step of the target's model at ``batch_size`` on one thread of its training core, CPython's n-body
+    on a messaging core (``cap``'s roles: an emulated device's; on a real device, where nothing is capped, its own
+    cores)."""
+    if batch_size < 1:
+        raise BenchError(f"--batch-size must be at least 1, got {batch_size}")
+    thread = threading.get_native_id()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cap.place_thread("train", thread)
+        dgemm = dgemm_gflops()
+        model = copy.deepcopy(target.model).train()
+        step_s = seconds_per_step(model, target.dataset, batch_size, 0.01, 0.0, FRESH_MODEL_SEED, DEVICE.window_s)
+        cap.place_thread("agent", thread)
+        nbody = nbody_s_per_step()
+    finally:
+        torch.set_num_threads(previous_threads)
+    step = TrainStep(target.model_name, target.dataset.name, batch_size, step_s)
+    cores = cap.shares.cores if cap.path is not None else os.cpu_count() or 1
+    return profile_record(name, KernelSpeeds(dgemm, nbody), step, cores)
 
 
 def run_bench(target: BenchTarget, seconds: float, threads: int = 1) -> BenchReport:

@@ -7,15 +7,19 @@ The lead's ``edgefl/cli.py`` calls :func:`register`. Bad input raises ``edge.ben
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+from pathlib import Path
 
 EXIT_DISAGREE = 1
 DEFAULT_SECONDS = 3.0
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    """Print the benchmark table; exit code 0 if the three back ends agree within tolerance, else 1."""
-    from edge.bench import BenchError, format_report, load_target, run_bench
+    """Print the benchmark table; exit code 0 if the three back ends agree within tolerance, else 1. With
+    ``--write-profile FILE``, first this device's figures (``edge.bench.device_figures``) go to FILE."""
+    from edge.bench import BenchError, device_figures, format_report, load_target, run_bench
     from edge.devices import DeviceCaps, device_profile
 
     if not args.seconds > 0:
@@ -23,16 +27,27 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise BenchError(f"--threads must be at least 1, got {args.threads}")
     profile = device_profile(args.device_profile)
+    shares = profile.shares()
     target = load_target(args.target, args.data_dir, args.model_name)
-    with DeviceCaps(profile, "bench") as cap:
+    with DeviceCaps(shares, "bench") as cap:
+        if args.write_profile:
+            record = device_figures(target, args.batch_size, args.profile_name, cap)
+            args.write_profile.write_text(json.dumps(record, indent=2) + "\n")
         cap.place("train" if args.threads == 1 else None, os.getpid())  # one device core, or all of them
         report = run_bench(target, args.seconds, args.threads)
     limit = (
         "no CPU cap"
-        if profile.cpu_fraction is None
-        else f"{profile.cores} cores, each {profile.cpu_fraction:.3f} of one core of this machine"
+        if shares.train is None
+        else f"{shares.cores} cores of this machine's: training {shares.train:.3f}, messaging {shares.message:.3f}"
     )
     print(f"device profile {profile.name}: {limit} ({profile.source})")
+    if args.write_profile:
+        step = record["train_step"]
+        print(
+            f"wrote {args.write_profile}: DGEMM {record['dgemm_gflops']:.2f} GFLOP/s, n-body "
+            f"{record['nbody_s_per_step'] * 1e6:.1f} µs a step, a local step of {step['model']} at batch "
+            f"{step['batch_size']} {step['seconds'] * 1000:.1f} ms (--device-profile {args.write_profile})"
+        )
     print(format_report(report))
     return 0 if report.fp32_agrees and report.int8_agrees else EXIT_DISAGREE
 
@@ -55,7 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--threads", type=int, default=1, help="CPU threads for torch and onnxruntime (default 1)")
     bench.add_argument("--data-dir", help="folder with the data set's files, for a data set name")
-    bench.add_argument(
-        "--device-profile", default="laptop", help="rpi3 | rpi4 | rpi5 | laptop: cap this process's CPU like it"
-    )
+    bench.add_argument("--device-profile", default="laptop",
+                       help="rpi3 | rpi4 | rpi5 | laptop | FILE.json: cap this process's CPU like it")  # fmt: skip
+    bench.add_argument("--write-profile", type=Path, metavar="FILE.json",
+                       help="first measure this device (DGEMM, CPython n-body, a local step of the model) and "
+                       "write a device profile for --device-profile FILE.json (the testbed, the clock)")  # fmt: skip
+    bench.add_argument("--profile-name", default=platform.node() or "device", help="the profile's name (the host's)")
+    bench.add_argument("--batch-size", type=int, default=32, help="the local step's batch for --write-profile")
     bench.set_defaults(func=bench_command)

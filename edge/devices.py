@@ -1,10 +1,12 @@
 """Device profiles: emulated Raspberry Pis on one machine, by capping CPU with cgroup quotas.
 
-A profile is a whole device: ``cores`` cores, each ``cpu_fraction`` of ONE core of this machine. ``--device-profile
-rpi4`` gives each client a cgroup tree of its own (``DeviceCaps``): the device (all its cores) and, inside it, one
-device core each for the agent's training thread, the agent's other threads (taking and sending messages:
-encoding, decoding, the Runtime API) and the device's SuperNode — on a Raspberry Pi 4 these run on different cores
-of its four, so a message is encoded while the next round trains. The agent trains on one thread
+A profile is a whole device: ``cores`` cores, each kind of core a share of ONE core of this machine
+(``contract.devices.DeviceShares``: the training core's from DGEMM, the messaging cores' from CPython's n-body).
+``--device-profile rpi4`` gives each client a cgroup tree of its own (``DeviceCaps``): the device (all its cores)
+and, inside it, one device core each for the agent's training thread (the training share), the agent's other
+threads (taking and sending messages: encoding, decoding, the Runtime API) and the device's SuperNode (the
+messaging share each) — on a Raspberry Pi 4 these run on different cores of its four, so a message is encoded
+while the next round trains. The agent trains on one thread
 (OMP_NUM_THREADS=1). ``laptop`` is no cap. Only the CPU is emulated, not the device's memory size, memory
 bandwidth or thermal throttling. cgroup v1 (``cpu.cfs_quota_us``, a thread placed through ``tasks``) and cgroup v2
 (``cpu.max``, the three roles as threaded cgroups) are supported; this project's machines run v1.
@@ -23,7 +25,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from contract.devices import DEVICE_PROFILES, DeviceError, DeviceProfile, device_profile  # noqa: F401 (re-exported)
+from contract.devices import (  # noqa: F401 (re-exported)
+    DEVICE_PROFILES,
+    NO_CAP,
+    DeviceError,
+    DeviceProfile,
+    DeviceShares,
+    device_profile,
+)
 
 MOUNTS = Path("/proc/self/mounts")
 PERIOD_US = 100_000
@@ -31,6 +40,7 @@ DEVICE_SHARES, DEVICE_WEIGHT = 10 * 1024, 1000  # cgroup v1 cpu.shares, v2 cpu.w
 REMOVE_TIMEOUT_S = 10.0  # for a device's cgroup to empty: a killed process leaves it once it has exited
 REMOVE_POLL_S = 0.02
 ROLES = ("train", "agent", "supernode")  # one device core each (DeviceCaps)
+MESSAGING_ROLES = ("agent", "supernode")  # at the messaging share; "train" at the training share
 
 
 def cpu_hierarchy() -> tuple[int, Path]:
@@ -79,25 +89,26 @@ class AgentThreads:
 
 class DeviceCaps:
     """One emulated device's cgroups, created on entering the ``with`` and removed on leaving it (after moving any
-    process still in them back to the root cgroup): ``edgefl-<tag>-<name>`` holds the whole device, ``cores`` x
-    ``cpu_fraction`` of one core of this machine, and its children ``train``, ``agent`` and ``supernode``
-    (``ROLES``) one device core each; a device takes precedence over the host's own processes up to its quota, as
-    its cores are its own (the emulated links' forwarders run at real-time priority). Processes start uncapped and
+    process still in them back to the root cgroup): ``edgefl-<tag>-<name>`` holds the whole device
+    (``DeviceShares.device`` cores of this machine), and its children ``train``, ``agent`` and ``supernode``
+    (``ROLES``) one device core each, ``train`` at the training share and the other two at the messaging share; a
+    device takes precedence over the host's own processes up to its quota, as its cores are its own (the emulated
+    links' forwarders run at real-time priority). Processes start uncapped and
     are placed once they have started (their imports and data loading are the emulation's start-up, not the
     device's work: a real device's agent starts once); the agent's training thread is placed apart from the rest
     of its process.
 
-    For a profile without a cap (laptop) nothing is created and ``place`` / ``place_thread`` do nothing."""
+    For shares without a cap (a laptop) nothing is created and ``place`` / ``place_thread`` do nothing."""
 
-    def __init__(self, profile: DeviceProfile, name: str, tag: str | None = None) -> None:
-        self.profile = profile
+    def __init__(self, shares: DeviceShares, name: str, tag: str | None = None) -> None:
+        self.shares = shares
         self.cgroup_name = f"edgefl-{os.getpid() if tag is None else tag}-{name}"
         self.path: Path | None = None  # the device's cgroup folder while it exists
         self._version, self._root = 1, Path()
 
     def __enter__(self) -> DeviceCaps:
-        fraction = self.profile.cpu_fraction
-        if fraction is None:
+        device = self.shares.device
+        if device is None:
             return self
         self._version, self._root = cpu_hierarchy()
         path = self._root / self.cgroup_name
@@ -106,7 +117,7 @@ class DeviceCaps:
                 _enable_cpu(self._root)
             path.mkdir(exist_ok=True)
             self.path = path
-            self._set_quota(path, self.profile.cores * fraction)
+            self._set_quota(path, device)
             if self._version == 1:  # the device's cores are its own: up to its quota it runs before the host's
                 (path / "cpu.shares").write_text(str(DEVICE_SHARES))  # processes (the server, the SuperLink)
             else:
@@ -117,11 +128,11 @@ class DeviceCaps:
                 (path / role).mkdir(exist_ok=True)
                 if self._version == 2:  # threads of one process in different cgroups: a threaded subtree
                     (path / role / "cgroup.type").write_text("threaded")
-                self._set_quota(path / role, fraction)
+                self._set_quota(path / role, self.shares.message if role in MESSAGING_ROLES else self.shares.train)
         except OSError as err:
             self.remove()
             raise DeviceError(
-                f"cannot set up cgroup {path} for device profile {self.profile.name}: {err.strerror} "
+                f"cannot set up cgroup {path} for an emulated device: {err.strerror} "
                 "(device profiles need root and a writable cgroup cpu controller)"
             ) from None
         return self

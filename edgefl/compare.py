@@ -59,7 +59,7 @@ def estimates(base: RunConfig, profiles: list[str]) -> list[str]:
         config = dataclasses.replace(base, profile=profile)
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
         for link, device in dict.fromkeys(zip(links, devices_for(config), strict=True)):
-            path_s, round_s = estimate_regime(link, device, message_bytes, config.local_steps, step_s)
+            path_s, round_s = estimate_regime(link, device, message_bytes, config.local_steps, step_s, config.step_key)
             lines.append(f"{link.name}, {device.name}: the clock expects {regime_text(path_s, round_s)}")
     return lines
 

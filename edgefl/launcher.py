@@ -41,7 +41,7 @@ from contract.run_folder import (
     remote_folder_name,
 )
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
-from edge.devices import DEVICE_PROFILES, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
+from edge.devices import NO_CAP, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_server_certs
 from edgefl.forkserver import ForkServer, ServedCommand, write_shim
 from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
@@ -67,7 +67,6 @@ CLIENT_PROCESSES = ("agent-", "supernode-")  # ProcessGroup names of a client's 
 FORKSERVER = "forkserver-"  # ProcessGroup names of the fork servers of the clients' processes (not a client's own)
 RUN_LOG = "run-log"  # a remote run's streamed ServerApp log (flwr log --stream)
 LAST_WORD_WAIT_S = 30.0  # how long a stopped remote run's checkpoint and error may take to come back
-LAPTOP = DEVICE_PROFILES["laptop"]  # no cap
 RUNTIME_HOST = "127.0.0.1"  # a SuperNode's Runtime API, where its agent claims tasks: the device's loopback only
 JOINED = "SuperNode ID:"  # flower-supernode logs this once the SuperLink has accepted the node
 SHIMS = ".bin"  # in a run's (or server's) folder, first on its processes' PATH: the warm ServerApp's shim
@@ -354,13 +353,14 @@ def device_caps(
     emulated, for the run's record: "none" (no profile caps anything), "cgroup-v1" / "cgroup-v2", or "uncapped:
     REASON" when this machine cannot cap a CPU (said in one line; the run goes on uncapped)."""
     devices = devices_for(config) if app_for(config) == "edgefl" else []  # Flower's own clients stay uncapped
-    uncapped = [DeviceCaps(LAPTOP, "none")] * config.clients
-    if all(device.cpu_fraction is None for device in devices):
+    uncapped = [DeviceCaps(NO_CAP, "none")] * config.clients
+    if all(device.speeds is None for device in devices):
         return uncapped, "none"
     tag = str(os.getpid())
     with contextlib.ExitStack() as trial:
         try:
-            caps = [trial.enter_context(DeviceCaps(d, f"device-{i}", tag=tag)) for i, d in enumerate(devices)]
+            shares = {device: device.shares() for device in set(devices)}
+            caps = [trial.enter_context(DeviceCaps(shares[d], f"device-{i}", tag=tag)) for i, d in enumerate(devices)]
         except DeviceError as exc:
             progress(f"device profiles not applied, running uncapped: {exc}")
             return uncapped, f"uncapped: {exc}"

@@ -24,6 +24,22 @@ class ReportError(EdgeflError, ValueError):
     """A folder that is not a finished run; ``str()`` is one line."""
 
 
+def mean_interval(values: list[float], level: float = 0.95) -> list[float]:
+    """[mean, low, high]: the mean of ``values`` (one per seed) with its Student-t interval at ``level`` (the
+    sample standard deviation, n − 1 degrees of freedom); one value is its own interval."""
+    from scipy.stats import t
+
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values to average")
+    mean = sum(values) / n
+    if n == 1:
+        return [mean, mean, mean]
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    half = float(t.ppf((1 + level) / 2, n - 1)) * sd / n**0.5
+    return [mean, mean - half, mean + half]
+
+
 def load_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     path = run_dir / SUMMARY
     if not path.exists():

@@ -41,7 +41,7 @@ from contract.wire import WireSize, train_message, wire_size
 from fl_server.engine import ServerLoop, parsed_reply
 from ml.data import load_dataset
 from ml.models import build_model
-from ml.trainer import LocalTrainer
+from ml.trainer import seconds_per_step
 from netem.clock import (
     DEVICE_FIXED_S,
     DEVICE_S_PER_MB,
@@ -57,8 +57,6 @@ from netem.profiles import BUILTIN_LINKS
 from strategies.downlink import DENSE_STYPE, NO_BASE, Broadcast, Part, dense_payload, model_digest
 from strategies.rounds import ClosedRound, Request
 
-STEP_SAMPLES = 50  # timed local steps (after 5 untimed) that set this host's seconds per step
-
 
 def host_step_s(config: RunConfig) -> float:
     """This host's median seconds per local step of the run's model and batch on one thread: the clock's unit.
@@ -66,16 +64,7 @@ def host_step_s(config: RunConfig) -> float:
     torch.set_num_threads(1)
     dataset = load_dataset(config.dataset, config.data_dir or None)
     model = build_model(dataset, config.seed, config.model)
-    rows = np.arange(min(len(dataset.y_train), 50 * config.batch_size))
-    trainer = LocalTrainer(model, dataset.x_train.subset(rows), dataset.y_train[rows], config.batch_size,
-                           config.lr, config.momentum, config.seed)  # fmt: skip
-    trainer.train_steps(5)
-    samples = []
-    for _ in range(STEP_SAMPLES):
-        t0 = time.perf_counter()
-        trainer.train_steps(1)
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples))
+    return seconds_per_step(model, dataset, config.batch_size, config.lr, config.momentum, config.seed)
 
 
 class ModelledArrivals:
@@ -90,7 +79,7 @@ class ModelledArrivals:
         self.config = config
         self.step_s = step_s
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
-        self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s)
+        self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s, config.step_key)
         self.cycles: Counter[int] = Counter()  # partition → message cycles it made (the first pay slow start)
         self.last_sent: dict[int, float] = {}  # partition → when its last message left (its models' rhythm)
         self.timelines: dict[int, ClientTimeline] = {}  # partition → its pipeline, once the clock runs

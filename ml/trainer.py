@@ -4,12 +4,14 @@ strategy gives (``strategies.strategy.LocalObjective``: FedProx's proximal term,
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from torch import nn
 
 from contract.errors import PeerError
-from ml.data import Rows
+from ml.data import Dataset, Rows
 from strategies.strategy import PLAIN, LocalObjective
 
 
@@ -149,3 +151,31 @@ def evaluate(model: nn.Module, x: Rows, y: np.ndarray, batch_size: int = 1000) -
         loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
         correct += int((logits.argmax(dim=1) == yb).sum())
     return loss_sum / len(y), correct / len(y)
+
+
+STEP_SAMPLES = 50  # timed local steps (after 5 untimed) that set a machine's seconds per step
+
+
+def seconds_per_step(
+    model: nn.Module, dataset: Dataset, batch_size: int, lr: float, momentum: float, seed: int,
+    window_s: float | None = None,
+) -> float:  # fmt: skip
+    """Seconds of one local step of ``model`` on ``dataset``'s first rows at ``batch_size``, on the threads torch
+    has: the median of ``STEP_SAMPLES`` steps (the clock's unit on the host: ``fl_server.simulation.host_step_s``),
+    or with ``window_s`` the mean of the steps that fill that much wall time (under a CPU quota, which a short step
+    can run inside uncapped, or on a device: ``edgefl edge bench --write-profile``)."""
+    rows = np.arange(min(len(dataset.y_train), 50 * batch_size))
+    trainer = LocalTrainer(model, dataset.x_train.subset(rows), dataset.y_train[rows], batch_size, lr, momentum, seed)
+    trainer.train_steps(5)
+    if window_s is not None:
+        steps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < window_s:
+            trainer.train_steps(1)
+            steps += 1
+        return elapsed / steps
+    samples = []
+    for _ in range(STEP_SAMPLES):
+        start = time.perf_counter()
+        trainer.train_steps(1)
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples))

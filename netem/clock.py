@@ -11,16 +11,17 @@ A message cycle (the server pushes a message, the client trains the rounds it br
 - F_d = ``DEVICE_FIXED_S`` and H = ``DEVICE_S_PER_MB``: what the device itself spends on a message cycle, in
   seconds of one core of this host, besides and per MB of its bytes (Flower's object (de)serialization and
   hashing, its SuperNode's requests, the hand-over between SuperNode and agent), taking 1/c as long on a device
-  whose cores are a share c of this host's (``contract.devices``): measured on the testbed by
-  ``bench/calibration.py``, from FedAvg's message path with two model sizes on emulated Raspberry Pi 4s;
+  whose messaging cores are a share c of this host's (``contract.devices.DeviceShares.message``): measured on the
+  testbed by ``bench/calibration.py``, from FedAvg's message path with two model sizes on emulated Raspberry Pi 4s;
 - R = ``MESSAGE_RTTS`` (5): the link round trips a cycle costs, the sequential requests of Flower's protocol
   counted in the same bench (PullMessages, the message's objects, ConfirmMessageReceived, PushMessages, the
   reply's objects). That bench's long-distance path (2.89 s) held 3 more, slow start on connections that had not
   carried a model yet, which is the last term;
 - r: a direction's rate, capped where loss binds by TCP's steady-state throughput (Mathis et al. 1997):
   r ≤ (MSS / rtt)·√(3/2) / √p for loss p, with MSS = 1448 B;
-- s local steps, σ = the host's measured seconds per step on one core divided by the device's share of a core
-  (``contract.devices``: the same shares the testbed's CPU caps use);
+- s local steps, σ = the host's measured seconds per step on one core divided by the device's training share
+  (``contract.devices``: the same shares the testbed's CPU caps use), or the step the device measured itself for
+  the run's model (a profile file's ``train_step``);
 - S(b) = slow start: what a transfer of b bytes costs over a warm one when it starts from TCP's initial window
   (IW = 10 segments, RFC 6928), which doubles every round trip until it holds the path's bandwidth-delay product
   (:func:`slow_start_s`). Flower's SuperNode moves a message's objects (Message, RecordDict, ConfigRecord:
@@ -44,6 +45,8 @@ from dataclasses import dataclass, field
 
 from contract.devices import DeviceProfile
 from netem.profiles import Link, LinkProfile
+
+RunKey = tuple[str, str, int]  # (model, data set, batch size): contract.settings.RunConfig.step_key
 
 MESSAGE_FIXED_S = 0.48
 MESSAGE_RTTS = 5
@@ -171,24 +174,23 @@ class ClientTimeline:
         return arrival
 
 
-def device_step_s(device: DeviceProfile, host_step_s: float) -> float:
-    """A device's seconds per local step from this host's one-core time: slower by its share of a core."""
-    return host_step_s / (device.cpu_fraction or 1.0)
+def client_model(link: Link, device: DeviceProfile, host_step_s: float, run: RunKey | None = None) -> ClientModel:
+    """A client on ``link`` and ``device``: its step (``DeviceProfile.step_s``) and its messaging cores' share."""
+    return ClientModel(link, device.step_s(host_step_s, run), device.shares().message or 1.0)
 
 
-def client_models(links: list[Link], devices: list[DeviceProfile], host_step_s: float) -> list[ClientModel]:
+def client_models(
+    links: list[Link], devices: list[DeviceProfile], host_step_s: float, run: RunKey | None = None
+) -> list[ClientModel]:
     """Partition j's model from link j and device j."""
-    return [
-        ClientModel(link, device_step_s(device, host_step_s), device.cpu_fraction or 1.0)
-        for link, device in zip(links, devices, strict=True)
-    ]
+    return [client_model(link, device, host_step_s, run) for link, device in zip(links, devices, strict=True)]
 
 
 def estimate_regime(
-    link: Link, device: DeviceProfile, message_bytes: int, steps: int, host_step_s: float
+    link: Link, device: DeviceProfile, message_bytes: int, steps: int, host_step_s: float, run: RunKey | None = None
 ) -> tuple[float, float]:
     """The clock's message path R and round training T for a client on ``link`` and ``device`` whose messages carry
     ``message_bytes`` each way over warm connections and whose rounds are ``steps`` local steps."""
-    model = ClientModel(link, device_step_s(device, host_step_s), device.cpu_fraction or 1.0)
+    model = client_model(link, device, host_step_s, run)
     path = model.down_s(message_bytes, POOLED_CONNECTIONS) + model.up_s(message_bytes, POOLED_CONNECTIONS)
     return path, steps * model.step_s

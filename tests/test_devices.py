@@ -1,5 +1,6 @@
-"""Device profiles: a device core slows a real torch training workload by the profile's factor, a device is its
-cores with the agent's training thread on one of its own, and no cgroup is left behind. The cgroup tests need
+"""Device profiles: a device core slows a real torch training workload by its share, a device is its cores with
+the agent's training thread on one of its own (the training share) and its other threads and SuperNode on
+messaging cores (the messaging share), and no cgroup is left behind. The cgroup tests need
 root and a cgroup cpu controller (v1 or v2) and are skipped without them."""
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from pathlib import Path
 import pytest
 
 from edge.devices import (
-    DEVICE_PROFILES,
+    MESSAGING_ROLES,
+    NO_CAP,
     ROLES,
     AgentThreads,
     DeviceCaps,
     DeviceError,
+    DeviceShares,
     cpu_hierarchy,
     device_profile,
 )
@@ -26,6 +29,7 @@ TAG = f"test{os.getpid()}"
 NOBODY_UID = 65534
 TOLERANCE = 0.15
 TRAIN_STEPS = 100  # about 1 s of CPU time for edgefl's CNN on 28x28 images, on one core of this machine
+PI = DeviceShares(train=0.14, message=0.27, cores=4)  # about rpi4's on this host, fixed so the test is too
 
 # A training workload in a child process: it imports torch and warms up first, so the timed part is training
 # only; then for every "go" on stdin it trains TRAIN_STEPS steps on one thread and prints "cpu_s wall_s".
@@ -116,44 +120,44 @@ def _train(child: subprocess.Popen[str]) -> tuple[float, float]:
 
 @pytest.mark.root
 @needs_cgroups
-def test_a_device_core_slows_training_by_the_profile_factor() -> None:
-    profile = DEVICE_PROFILES["rpi4"]
+def test_a_device_core_slows_training_by_its_share() -> None:
     with subprocess.Popen(
         [sys.executable, "-c", WORKLOAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as child:
         assert child.stdout.readline().strip() == "ready"
         uncapped_cpu_s, _ = _train(child)
-        with DeviceCaps(profile, "train", tag=TAG) as caps:
+        with DeviceCaps(PI, "train", tag=TAG) as caps:
             caps.place("train", child.pid)
             assert _cgroup_of(child.pid) == f"/{caps.cgroup_name}/train"
             capped_cpu_s, capped_wall_s = _train(child)
         assert _cgroup_of(child.pid) == "/"  # moved back to the root before the cgroups were removed
         child.stdin.close()
     assert child.returncode == 0
-    # The core's share of one host core, CPU time over wall time while capped: training runs 1/fraction slower ...
-    assert capped_cpu_s / capped_wall_s == pytest.approx(profile.cpu_fraction, rel=TOLERANCE)
+    # The core's share of one host core, CPU time over wall time while capped: training runs 1/share slower ...
+    assert capped_cpu_s / capped_wall_s == pytest.approx(PI.train, rel=TOLERANCE)
     # ... which is at least that slowdown against the same work uncapped. Only a lower bound: the same work
     # can cost more CPU time when throttled (cold caches after each quota period), seen up to 1.25x here.
-    assert capped_wall_s / uncapped_cpu_s >= (1 - TOLERANCE) / profile.cpu_fraction
+    assert capped_wall_s / uncapped_cpu_s >= (1 - TOLERANCE) / PI.train
 
 
 @pytest.mark.root
 @needs_cgroups
 def test_a_device_is_its_cores_and_the_training_thread_has_one_of_its_own() -> None:
-    """rpi4: the device holds 4 cores of 0.144 and takes precedence over host processes; the agent's process goes
-    on the agent core and its training thread alone on the train core (``AgentThreads``)."""
-    profile = device_profile("rpi4")
+    """A Pi: the device holds one training core and three messaging cores and takes precedence over host
+    processes; the agent's process goes on the agent core and its training thread alone on the train core
+    (``AgentThreads``)."""
     with subprocess.Popen([sys.executable, "-c", THREADS], stdout=subprocess.PIPE, text=True) as child:
         pid, trainer = map(int, child.stdout.readline().split())
-        with DeviceCaps(profile, "threads", tag=TAG) as caps:
+        with DeviceCaps(PI, "threads", tag=TAG) as caps:
             AgentThreads(pid, trainer).place(caps)
             assert caps.path is not None
             assert _cgroup_of(pid, trainer) == f"/{caps.cgroup_name}/train"
             others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != trainer]
             assert others and all(_cgroup_of(pid, t) == f"/{caps.cgroup_name}/agent" for t in others)
             quotas = {role: _quota(caps.path / role) for role in ROLES}
-            assert quotas == dict.fromkeys(ROLES, pytest.approx(profile.cpu_fraction, abs=1e-5))
-            assert _quota(caps.path) == pytest.approx(profile.cores * profile.cpu_fraction, abs=1e-5)
+            assert quotas["train"] == pytest.approx(PI.train, abs=1e-5)
+            assert [quotas[role] for role in MESSAGING_ROLES] == [pytest.approx(PI.message, abs=1e-5)] * 2
+            assert _quota(caps.path) == pytest.approx(PI.train + 3 * PI.message, abs=1e-5)
             assert int((caps.path / "cpu.shares").read_text()) > 1024  # above a host process's weight
         child.kill()
 
@@ -162,7 +166,7 @@ def test_a_device_is_its_cores_and_the_training_thread_has_one_of_its_own() -> N
 @needs_cgroups
 def test_leaving_the_caps_moves_survivors_out_and_removes_them() -> None:
     with subprocess.Popen(["cat"], stdin=subprocess.PIPE) as survivor:  # lives until its stdin closes
-        with DeviceCaps(device_profile("rpi5"), "survivor", tag=TAG) as caps:
+        with DeviceCaps(PI, "survivor", tag=TAG) as caps:
             caps.place("supernode", survivor.pid)
             path = caps.path
         assert path is not None and not path.exists()
@@ -176,7 +180,7 @@ def test_leaving_the_caps_moves_survivors_out_and_removes_them() -> None:
 def test_without_root_a_device_is_one_clear_line() -> None:
     os.seteuid(NOBODY_UID)
     try:
-        with pytest.raises(DeviceError) as error, DeviceCaps(device_profile("rpi4"), "noroot", tag=TAG):
+        with pytest.raises(DeviceError) as error, DeviceCaps(PI, "noroot", tag=TAG):
             pass
     finally:
         os.seteuid(0)
@@ -185,7 +189,8 @@ def test_without_root_a_device_is_one_clear_line() -> None:
 
 
 def test_laptop_profile_is_no_cap(tmp_path: Path) -> None:
-    with DeviceCaps(device_profile("laptop"), "laptop", tag=TAG) as caps:
+    assert device_profile("laptop").shares() == NO_CAP
+    with DeviceCaps(NO_CAP, "laptop", tag=TAG) as caps:
         caps.place("agent", os.getpid())
         caps.place_thread("train", os.getpid())
         assert caps.path is None

@@ -35,7 +35,7 @@ def _trained(dataset: Dataset, steps: int, lr: float) -> BenchTarget:
     model = build_model(dataset, seed=0)
     with torch.random.fork_rng(devices=[]):
         LocalTrainer(model, dataset.x_train, dataset.y_train, 32, lr, 0.9, seed=0).train_steps(steps)
-    return BenchTarget(model.eval(), dataset, f"trained on {dataset.name}")
+    return BenchTarget(model.eval(), dataset, f"trained on {dataset.name}", "auto")
 
 
 def _text_dataset() -> Dataset:

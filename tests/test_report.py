@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from contract.run_folder import ROUNDS, SUMMARY, RunFolder, summarize, summary_bytes
 from contract.settings import build_config
-from edgefl.report import regime_line, report
+from edgefl.report import mean_interval, regime_line, report
 
 
 def _run(path: Path, accuracies: list[float], bytes_per_round: int, **settings) -> Path:
@@ -62,3 +64,15 @@ def test_a_run_records_its_message_path_and_round_training_and_says_what_dga_can
     assert "R = 8.00 s" in line and "T = 4.00 s" in line and "R/T = 2.00" in line
     assert "at most 3.00x" in line and "D >= 2" in line
     assert "not measured" in regime_line({**summarize(config.as_dict(), rows, trips[:1]), "link_profile": "lan"})
+
+
+def test_a_mean_over_seeds_has_its_t_interval() -> None:
+    """Three seeds 1, 2, 3: mean 2, sample sd 1, t(0.975, 2 df) = 4.303, half-width 4.303/√3; one seed is its own
+    interval; none is an error."""
+    mean, low, high = mean_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and high - mean == pytest.approx(4.3027 / 3**0.5, rel=1e-4) and mean - low == high - mean
+    assert mean_interval([0.7]) == [0.7, 0.7, 0.7]
+    narrower = mean_interval([1.0, 2.0, 3.0], level=0.5)
+    assert low < narrower[1] < narrower[2] < high
+    with pytest.raises(ValueError):
+        mean_interval([])

@@ -35,7 +35,6 @@ from netem.clock import (
     ClientTimeline,
     client_models,
     cold_share,
-    device_step_s,
     rate_bps,
     slow_start_s,
 )
@@ -125,12 +124,15 @@ def test_slow_start_costs_a_model_round_trips_where_the_path_holds_more_than_the
     assert cycles[:-1] == [pytest.approx(cycles[-1] + 2 * 1.2)] * POOLED_CONNECTIONS
 
 
-def test_a_device_is_slower_by_its_share_of_a_core() -> None:
+def test_a_device_is_slower_by_its_shares_of_a_core() -> None:
+    """Training at the training core's share, a message cycle's own work at the messaging cores'."""
     rpi4, laptop = device_profile("rpi4"), device_profile("laptop")
-    assert device_step_s(rpi4, 0.01) == pytest.approx(0.01 / rpi4.cpu_fraction)
-    assert device_step_s(laptop, 0.01) == 0.01
+    shares = rpi4.shares()
+    assert rpi4.step_s(0.01) == pytest.approx(0.01 / shares.train)
+    assert laptop.step_s(0.01) == 0.01
     models = client_models([BUILTIN_LINKS["lan"]] * 2, [rpi4, laptop], 0.01)
-    assert [m.step_s for m in models] == [device_step_s(rpi4, 0.01), 0.01]
+    assert [m.step_s for m in models] == [rpi4.step_s(0.01), 0.01]
+    assert [m.share for m in models] == [shares.message, 1.0]
 
 
 def test_a_mixed_fleet_repeats_its_lists_over_the_clients() -> None:
@@ -270,7 +272,7 @@ def test_a_simulated_dga_runs_the_deployments_pipeline(run_dir: Path, ray_head: 
     assert done.returncode == 0, done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["clock"]["pipelined"] and summary["rounds"] == 8
-    step_s = {0: 0.01, 1: 0.01 / device_profile("rpi4").cpu_fraction}
+    step_s = {0: 0.01, 1: device_profile("rpi4").step_s(0.01)}
     assert summary["round_train_s"] == pytest.approx(3 * (step_s[0] + step_s[1]) / 2)  # the median of 8 + 8 rounds
     trips = [m for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]]
     assert trips and all(len(m["rounds"]) == 1 for m in trips)
