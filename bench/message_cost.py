@@ -6,10 +6,10 @@ device's two messaging cores (its SuperNode, and the agent's threads other than 
 ``supernode`` and ``agent``, read per thread every ``SAMPLE_S``) over the run, per message cycle, in seconds of
 this host's core and of a Pi core (host seconds / the messaging share, ``contract.devices``); idle polling is
 included, as a device pays it. With ``py-spy`` installed, one device's SuperNode and agent are sampled for the
-run and the functions they spent their time in are listed (own time, then the edgefl and Flower frames they ran
-under). Then FedAvg and DGA:2 over each link: the median message path R of each (``messages.jsonl``), a round's
-training T, DGA's path over FedAvg's, and DGA's rounds per second over FedAvg's against what the link allows,
-min(1 + R/T, D + 1) with FedAvg's R and T.
+run and their samples sorted by what they were doing (``WHERE``: the Fleet requests, the Runtime API between
+agent and SuperNode, the SuperNode's loop, the ClientApp). Then FedAvg and DGA:2 over each link: the median
+message path R of each (``messages.jsonl``), a round's training T, DGA's path over FedAvg's, and DGA's rounds per
+second over FedAvg's against what the link allows, min(1 + R/T, D + 1) with FedAvg's R and T.
 
     python bench/message_cost.py [--links lan,home-wifi,long-distance] [--rounds 12] [--out runs/bench-message-cost]
 
@@ -47,7 +47,6 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SETTINGS = {"dataset": "fashion-mnist", "partition": "dirichlet:0.3", "model": "cnn", "clients": 4,
             "local_steps": 5, "device_profile": "rpi4", "eval_every": 1000, "eval_examples": 500}  # fmt: skip
 DGA = "dga:2"
-TOP = 12  # functions listed per process
 
 
 class RoleCpu:
@@ -95,8 +94,9 @@ def _ints(path: Path) -> list[int]:
 
 
 def _thread_cpu_s(tid: int) -> float | None:
+    """The thread's own CPU seconds (``/proc/TID/stat`` of a process's first thread is the whole process's)."""
     try:
-        fields = Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{tid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
@@ -116,22 +116,28 @@ def profile_processes(pids: dict[str, int], seconds: float, out: Path) -> dict[s
     return found
 
 
+WHERE = (  # (what, a frame name that puts a sample there), first match wins
+    ("training (the training core's)", "LocalTrainer.train_steps"),
+    ("Fleet API requests to the SuperLink (httpx, TLS, node signature)", "FleetHttpClient."),
+    ("Runtime API requests to the SuperNode (the agent's claims, objects, replies)", "RuntimeHttpClient."),
+    ("serving the Runtime API (the SuperNode's uvicorn)", "Server.run"),
+    ("threads parked on a lock or queue", "Condition.wait"),
+    ("the SuperNode's loop (pulls, pushes, reply polls)", "start_client_internal"),
+    ("the ClientApp (decode, train's hand-over, encode)", "train"),
+)
+
+
 def _top_functions(raw: Path) -> list[tuple[str, float]]:
-    """From py-spy's collapsed stacks: each function's share of the samples where it is the innermost frame."""
-    own: collections.Counter[str] = collections.Counter()
+    """From py-spy's collapsed stacks (samples of threads on a CPU, root frame first): the share of samples under
+    each of ``WHERE``, then "other"."""
+    where: collections.Counter[str] = collections.Counter()
     total = 0
     for line in raw.read_text().splitlines() if raw.exists() else []:
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
+        names = [frame.split(" (")[0] for frame in stack.split(";")]
         total += int(count)
-        own[_short(frames[-1])] += int(count)
-    return [(name, n / total) for name, n in own.most_common(TOP)] if total else []
-
-
-def _short(frame: str) -> str:
-    """``name (path/to/module.py:123)`` → ``name (module.py)``."""
-    name, _, where = frame.partition(" (")
-    return f"{name} ({Path(where.split(':')[0]).name})" if where else name
+        where[next((what for what, frame in WHERE if any(n.startswith(frame) for n in names)), "other")] += int(count)
+    return [(what, n / total) for what, n in where.most_common()] if total else []
 
 
 def main() -> int:
@@ -139,6 +145,7 @@ def main() -> int:
     parser.add_argument("--links", default="lan,home-wifi,long-distance")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-message-cost"))
+    parser.add_argument("--cost-only", action="store_true", help="only the message cycle's CPU, no link comparison")
     args = parser.parse_args()
     interrupt_on_signals()
     shares = device_profile(SETTINGS["device_profile"]).shares()
@@ -147,7 +154,7 @@ def main() -> int:
     cost: dict[str, Any] = {}
     for link in args.links.split(","):
         summaries = {}
-        for strategy in ("fedavg", DGA):
+        for strategy in ("fedavg",) if args.cost_only else ("fedavg", DGA):
             out = args.out / link / strategy.replace(":", "-")
             config = build_config(None, strategy=strategy, profile=link, rounds=args.rounds, out=str(out), **SETTINGS)
             print(f"== {strategy} over {link}", flush=True)
@@ -156,6 +163,8 @@ def main() -> int:
             else:
                 run(config, lambda line: print("   " + line, flush=True))
             summaries[strategy] = (load_run(out)[0], _cycles(out))
+        if args.cost_only:
+            break
         (fedavg, _), (dga, _) = summaries["fedavg"], summaries[DGA]
         r, t = fedavg["message_path_s"], fedavg["round_train_s"]
         allowed = min(1 + r / t, 2 + 1)
@@ -238,8 +247,8 @@ def _cycles(run_dir: Path) -> dict[int, int]:
 def _profile_lines(profile: dict[str, list[tuple[str, float]]]) -> list[str]:
     if not profile:
         return ["(py-spy not installed: `pip install py-spy` for where the time goes)", ""]
-    lines = ["Where device 0's messaging processes spent their time (py-spy, own time, share of samples; idle "
-             "waits included):", ""]  # fmt: skip
+    lines = ["Where device 0's processes were on a CPU (py-spy's samples, 50 a second, of threads it saw running):",
+             ""]  # fmt: skip
     for name, top in profile.items():
         lines += [f"- {name}: " + "; ".join(f"{fn} {share:.0%}" for fn, share in top)]
     return [*lines, ""]

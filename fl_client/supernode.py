@@ -1,6 +1,8 @@
 """Flower's SuperNode with its fixed waits tuned (``contract.transport``); every argument is
 ``flower-supernode``'s but ``--parent-pid PID``, given first: it stops (as on SIGTERM) once that process is gone
-(``contract.parent``). edgefl starts it with ``--isolation process``: the edge agent serves its tasks.
+(``contract.parent``). edgefl starts it with ``--isolation process``: the edge agent serves its tasks, and the
+SuperNode rings the agent's bell for its Runtime API ``--port`` when a task is waiting
+(``contract.transport.TaskBell``).
 
     python -m fl_client.supernode [--parent-pid PID] --insecure --superlink HOST:PORT --isolation process ...
 """
@@ -11,7 +13,7 @@ import logging
 import sys
 
 from contract.parent import watch_parent
-from contract.transport import tune
+from contract.transport import TaskBell, tune
 
 
 def preload() -> None:
@@ -29,7 +31,8 @@ def main() -> None:
     log = logging.getLogger("edgefl")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    log.info("Flower's message path: %s", tune())
+    port = sys.argv[sys.argv.index("--port") + 1] if "--port" in sys.argv else None  # the Runtime API's
+    log.info("Flower's message path: %s", tune(TaskBell(int(port)) if port else None))
     from contract.flower import flower_supernode
 
     flower_supernode()

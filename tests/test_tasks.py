@@ -222,3 +222,46 @@ def test_a_task_held_unanswered_is_answered_with_an_error_when_the_agent_restart
     assert reply.metadata.reply_to_message_id == message.metadata.message_id
     assert PushTaskOutputRequest.FromString(requests[1][1]).sub_status == SubStatus.FAILED
     assert not HeldTask.path(tmp_path, 7).exists()
+
+
+def test_an_idle_agent_waits_for_its_supernodes_bell(monkeypatch) -> None:
+    """After a claim the agent asks again at once, then backs off to ``POLL_S[1]``; then it waits on the bell
+    instead of asking, and a ring makes it ask at once (the stop event's and the bell's waits are recorded, not
+    slept)."""
+    server = TaskServer("127.0.0.1:9", None)
+    claims = iter([True, False, False, False, False, False, False, False, False, False, False, False, False])
+    events: list[str] = []
+
+    def claim_one() -> bool:
+        claimed = next(claims, None)
+        if claimed is None:
+            stop.set()
+            return False
+        events.append("claimed" if claimed else "none")
+        return claimed
+
+    class Stop(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            events.append(f"slept {timeout:.4f}")
+            return self.is_set()
+
+    class Bell:
+        rings = iter([False, True])
+
+        def wait(self, timeout_s: float) -> bool:
+            rang = next(self.rings, False)
+            events.append(f"bell {timeout_s:.1f} " + ("rang" if rang else "quiet"))
+            return rang
+
+    stop = Stop()
+    monkeypatch.setattr(server, "claim_one", claim_one)
+    monkeypatch.setattr(server, "bell", Bell())
+    server._claim_until(stop, tasks.POLL_S[0], "", False)
+    bell_waits = [i for i, e in enumerate(events) if e.startswith("bell")]
+    sleeps = [float(e.split()[1]) for e in events[: bell_waits[0]] if e.startswith("slept")]
+    assert events[:3] == ["claimed", "none", f"slept {tasks.POLL_S[0]:.4f}"]
+    assert sleeps == sorted(sleeps) and sleeps[-1] < tasks.POLL_S[1]  # the burst backs off, then stops sleeping
+    assert bell_waits and all(events[i] == "bell 0.1 quiet" for i in bell_waits[:-1])
+    assert events[bell_waits[-1]] == "bell 0.1 rang"
+    after_ring = events[bell_waits[-1] + 1 :]
+    assert after_ring[:2] == ["none", f"slept {tasks.POLL_S[0]:.4f}"]  # asked at once, the burst again
