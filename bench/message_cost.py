@@ -184,14 +184,7 @@ def main() -> int:
         f"| both messaging cores | {per_cycle:.4f} | {per_cycle / shares.message:.3f} |",
         "",
         *_profile_lines(cost.get("profile", {})),
-        "FedAvg against DGA:2 on each link (R: the median message path; T: a round's training; allowed: "
-        "min(1 + R/T, D + 1) with FedAvg's R and T):",
-        "",
-        "| link | FedAvg R s | DGA R s | DGA R / FedAvg R | T s | DGA rounds/s over FedAvg's | allowed | efficiency |",
-        "|---|---|---|---|---|---|---|---|",
-        *(f"| {link} | {v['fedavg_path_s']:.2f} | {v['dga_path_s']:.2f} | {v['dga_path_ratio']:.2f} | "
-          f"{v['round_train_s']:.2f} | {v['dga_speedup_per_round']:.2f}x | {v['allowed_speedup']:.2f}x | "
-          f"{v['dga_round_efficiency']:.2f} |" for link, v in links.items()),
+        *_link_lines(links),
     ])  # fmt: skip
     write_result(args.out, text, {"pi_core_s_per_cycle": per_cycle / shares.message, "host_core_s_per_cycle": per_cycle,
                                   "messaging_share": shares.message, **cost, "links": links})  # fmt: skip
@@ -242,6 +235,21 @@ def _profile_first_device(cpu: RoleCpu, out: Path) -> dict[str, list[tuple[str, 
 def _cycles(run_dir: Path) -> dict[int, int]:
     """Message cycles per partition (``messages.jsonl``: every message, answered or not)."""
     return collections.Counter(m["partition"] for m in read_rounds(run_dir, MESSAGES))
+
+
+def _link_lines(links: dict[str, dict[str, Any]]) -> list[str]:
+    if not links:
+        return []
+    return [
+        "FedAvg against DGA:2 on each link (R: the median message path; T: a round's training; allowed: "
+        "min(1 + R/T, D + 1) with FedAvg's R and T):",
+        "",
+        "| link | FedAvg R s | DGA R s | DGA R / FedAvg R | T s | DGA rounds/s over FedAvg's | allowed | efficiency |",
+        "|---|---|---|---|---|---|---|---|",
+        *(f"| {link} | {v['fedavg_path_s']:.2f} | {v['dga_path_s']:.2f} | {v['dga_path_ratio']:.2f} | "
+          f"{v['round_train_s']:.2f} | {v['dga_speedup_per_round']:.2f}x | {v['allowed_speedup']:.2f}x | "
+          f"{v['dga_round_efficiency']:.2f} |" for link, v in links.items()),
+    ]  # fmt: skip
 
 
 def _profile_lines(profile: dict[str, list[tuple[str, float]]]) -> list[str]:

@@ -12,7 +12,9 @@ Tasks are served side by side, up to ``MAX_TASKS`` at once: edgefl's SuperNode h
 for it (``contract.transport``), and the agent holds each until it has an update to answer it with. After a
 claim the agent asks again at once and then less and less often (``POLL_S``); once idle it waits for its
 SuperNode's bell (``contract.transport.TaskBell``), rung for each message, and asks at least every
-``BELL_WAIT_S`` besides: an idle device's Runtime API serves one claim a second, not ten.
+``BELL_WAIT_S`` besides: an idle device's Runtime API serves one claim a second, not ten. A task that comes
+after a wait that heard no ring means a SuperNode that does not ring (Flower's stock transport): the agent then
+polls every ``POLL_S[1]``, as it does while it serves ``MAX_TASKS``.
 
 A task whose message this process has pulled is kept on disk (``HeldTask``, one file per task in the held-tasks
 folder) until it is finished: an agent that died holding some (kill -9, out of memory, a power cut of the agent's
@@ -184,6 +186,8 @@ class TaskServer:
         self._claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
         self._serving = threading.BoundedSemaphore(MAX_TASKS)
         self.bell = TaskBell(int(address.rsplit(":", 1)[1]))
+        self.bell_heard = True  # until a task comes after a wait on the bell that heard nothing
+        self._full = False  # the last claim found MAX_TASKS being served
 
     def serve(self, stop: threading.Event) -> None:
         """Serve until ``stop``: first the tasks a previous agent held, then every task claimed; a SuperNode that
@@ -197,6 +201,7 @@ class TaskServer:
             self.bell.close()
 
     def _claim_until(self, stop: threading.Event, delay: float, state: str, abandoned: bool) -> None:
+        quiet = False  # the last wait on the bell ran out without a ring
         while not stop.is_set():
             try:
                 if abandoned:
@@ -222,12 +227,18 @@ class TaskServer:
                 log.info("serving the tasks of the SuperNode at %s", self.address)
                 state = "up"
             if claimed:
-                delay = POLL_S[0]
+                if quiet:  # a task came without a ring: this SuperNode does not ring (stock), so poll
+                    self.bell_heard = False
+                delay, quiet = POLL_S[0], False
             elif delay < POLL_S[1]:  # just after a claim: a message that came with others
                 stop.wait(delay)
                 delay *= 1.5
+            elif self._full or not self.bell_heard:
+                stop.wait(POLL_S[1])
             elif self._bell_rang(stop):
                 delay = POLL_S[0]
+            else:
+                quiet = True
 
     def _bell_rang(self, stop: threading.Event) -> bool:
         """Wait for the SuperNode's bell up to ``BELL_WAIT_S``, looking at ``stop`` every ``POLL_S[1]``."""
@@ -240,7 +251,8 @@ class TaskServer:
     def claim_one(self) -> bool:
         """Claim one pending task and serve it in a thread of its own; False when there was none to claim, or
         ``MAX_TASKS`` are being served."""
-        if not self._serving.acquire(blocking=False):
+        self._full = not self._serving.acquire(blocking=False)
+        if self._full:  # a task that ends makes room: polled, since its ring may have been taken already
             return False
         try:
             claim = self._claims.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))

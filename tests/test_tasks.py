@@ -265,3 +265,39 @@ def test_an_idle_agent_waits_for_its_supernodes_bell(monkeypatch) -> None:
     assert events[bell_waits[-1]] == "bell 0.1 rang"
     after_ring = events[bell_waits[-1] + 1 :]
     assert after_ring[:2] == ["none", f"slept {tasks.POLL_S[0]:.4f}"]  # asked at once, the burst again
+
+
+def test_an_agent_whose_supernode_does_not_ring_polls(monkeypatch) -> None:
+    """A task that comes after a wait on the bell that heard nothing: the SuperNode does not ring (Flower's stock
+    transport), so the agent polls every ``POLL_S[1]`` from then on instead of waiting on the bell."""
+    server = TaskServer("127.0.0.1:9", None)
+    claims = iter([False] * 8 + [True] + [False] * 10)
+    events: list[str] = []
+
+    def claim_one() -> bool:
+        claimed = next(claims, None)
+        if claimed is None:
+            stop.set()
+            return False
+        events.append("claimed" if claimed else "none")
+        return claimed
+
+    class Stop(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            events.append(f"slept {timeout:.4f}")
+            return self.is_set()
+
+    class QuietBell:
+        def wait(self, timeout_s: float) -> bool:
+            events.append("bell")
+            return False
+
+    stop = Stop()
+    monkeypatch.setattr(server, "claim_one", claim_one)
+    monkeypatch.setattr(server, "bell", QuietBell())
+    monkeypatch.setattr(tasks, "BELL_WAIT_S", tasks.POLL_S[1])  # one quiet wait on the bell per fallback
+    server._claim_until(stop, tasks.POLL_S[1], "", False)
+    claim = events.index("claimed")
+    assert "bell" in events[:claim] and not server.bell_heard
+    after_burst = [e for e in events[claim:] if e.startswith("slept")][-3:]
+    assert after_burst == [f"slept {tasks.POLL_S[1]:.4f}"] * 3 and "bell" not in events[claim:]
