@@ -8,8 +8,11 @@
 #    /opt/edgefl in it and runs the project's installer there (install.sh: apt, venv, PyPI's aarch64 wheels;
 #    the .venv is kept too: --fresh-venv measures a first install);
 # 3. runs one small federation as on real devices, over TLS: `edgefl server` on this machine, `edgefl client` in
-#    the chroot (which shares this machine's network namespace, so they meet on loopback), `edgefl run
-#    --federation remote` (FedAvg, digits, 1 client); checks that every round closed with the client's update.
+#    the chroot (which shares this machine's network namespace, so they meet on loopback), each waited for through
+#    its --ready-file (written once it serves, once it joined), then `edgefl run --federation remote` (FedAvg,
+#    digits, 1 client); checks that every round closed with the client's update. The client's split of the data is
+#    made in the chroot first, from the run's own flags, as the submitter's preflight makes it for devices on its
+#    machine: under emulation a first message that made it would outlast the server's wait for a node's answer.
 # Ends with a PASS/FAIL summary. Needs root. Stops every process it started and removes its mounts on exit;
 # whenever it stops early it says why in one line (exit 2).
 #
@@ -25,7 +28,8 @@ FRESH_VENV=0
 HOST_CA=/etc/ssl/certs/ca-certificates.crt
 DEVICE_PROJECT=/opt/edgefl
 DEVICE_OUT=/root/edgefl-client
-STARTUP_TIMEOUT_S=900 # the server and the client start in seconds here, in minutes under emulation
+RUN_DATA=(--dataset digits --partition iid --clients 1) # edgefl run's, and the client's split made before the run
+STARTUP_TIMEOUT_S=900 # the server, the client and its edge agent start in seconds here, in minutes under emulation
 
 usage() { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; }
 die() {
@@ -51,6 +55,25 @@ debian_mirror() {
     sed -n -e '/^URIs:[[:space:]]*\([^[:space:]]*\/debian\)\/\{0,1\}\([[:space:]].*\)\{0,1\}$/{s//\1/p;q}' \
         -e '/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]*\)\{0,1\}\([^[:space:]]*\/debian\)\/\{0,1\}[[:space:]].*/{s//\2/p;q}' \
         "${files[@]}"
+}
+running() {
+    local state
+    state=$(ps -o stat= -p "$1") && [ "${state:0:1}" != Z ]
+}
+# Wait until READY exists: the --ready-file of the edgefl command WHAT running as PID, its output in OUTPUT. Fails
+# in one line (after OUTPUT's last lines when it exited) if the process ends first or after TIMEOUT s (default
+# STARTUP_TIMEOUT_S).
+wait_ready() {
+    local ready=$1 pid=$2 what=$3 output=$4 timeout=${5:-$STARTUP_TIMEOUT_S}
+    local deadline=$((SECONDS + timeout))
+    until [ -e "$ready" ]; do
+        if ! running "$pid" && [ ! -e "$ready" ]; then # the file is looked at again: it may have come just before
+            tail -n 5 "$output" >&2
+            die "$what exited before it wrote $ready; see $output"
+        fi
+        [ "$SECONDS" -lt "$deadline" ] || die "$what was not ready within $timeout s (no $ready); see $output"
+        sleep 0.5
+    done
 }
 # Sourced (the tests): the functions above only.
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0
@@ -130,21 +153,6 @@ trap 'exit 130' INT TERM
 
 step() { echo "== $*" | tee -a "$LOG"; }
 
-running() {
-    local state
-    state=$(ps -o stat= -p "$1") && [ "${state:0:1}" != Z ]
-}
-
-# Wait until FILE has a line containing TEXT; fail if process PID ends first or after STARTUP_TIMEOUT_S.
-wait_for_line() {
-    local file=$1 text=$2 pid=$3 what=$4 deadline=$((SECONDS + STARTUP_TIMEOUT_S))
-    until grep -qsF -- "$text" "$file"; do
-        running "$pid" || { tail -n 5 "$file" >&2; die "$what exited; see $file"; }
-        [ "$SECONDS" -lt "$deadline" ] || die "$what was not ready within $STARTUP_TIMEOUT_S s; see $file"
-        sleep 0.5
-    done
-}
-
 # The working tree into the root file system (again before the run: the editable install then runs it).
 copy_project() {
     mkdir -p "$ROOTFS$DEVICE_PROJECT"
@@ -211,21 +219,34 @@ echo "install: $install_s s (.venv $venv, pip cache $pip_cache); $arch; $version
 
 step "edgefl server here, edgefl client in the chroot, edgefl run --federation remote (TLS)"
 copy_project
+start=$SECONDS
+"${CHROOT[@]}" nice -n 19 python -c '
+import sys
+from edgefl.cli import build_parser, config_from_args
+from ml.data import load_dataset, one_partition
+
+config = config_from_args(build_parser().parse_args(["run", *sys.argv[1:]]))
+dataset = load_dataset(config.dataset, config.data_dir or None)
+one_partition(dataset, config.partition_spec, config.clients, config.seed, 0)  # edgefl client --partition-id 0
+' "${RUN_DATA[@]}" >>"$LOG" 2>&1
+echo "the client's split of the data, made in the chroot: $((SECONDS - start)) s" | tee -a "$LOG"
 rm -rf "$OUT/certs"
 "$EDGEFL" certs --out "$OUT/certs" --host 127.0.0.1 --submitters 1 >>"$LOG"
 cp "$OUT/certs/ca.pem" "$ROOTFS/root/edgefl-ca.pem"
 server=127.0.0.1:$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-nice -n 19 "$EDGEFL" server --listen "$server" --certs "$OUT/certs" --out "$OUT/server" >"$OUT/server.out" 2>&1 &
+rm -f "$OUT/server.ready" "$ROOTFS$DEVICE_OUT.ready" # an earlier run's (each command removes its own too)
+nice -n 19 "$EDGEFL" server --listen "$server" --certs "$OUT/certs" --out "$OUT/server" \
+    --ready-file "$OUT/server.ready" >"$OUT/server.out" 2>&1 &
 PIDS+=($!)
-wait_for_line "$OUT/server.out" "submit runs from this machine" "$!" "edgefl server"
+wait_ready "$OUT/server.ready" "$!" "edgefl server" "$OUT/server.out"
 "${CHROOT[@]}" nice -n 19 edgefl client --server "$server" --root-cert /root/edgefl-ca.pem --partition-id 0 \
     --num-partitions 1 --dataset digits --out "$DEVICE_OUT" --connect-timeout "$STARTUP_TIMEOUT_S" \
-    >"$OUT/client.out" 2>&1 &
+    --startup-timeout "$STARTUP_TIMEOUT_S" --ready-file "$DEVICE_OUT.ready" >"$OUT/client.out" 2>&1 &
 PIDS+=($!)
-wait_for_line "$OUT/client.out" "joined $server" "$!" "edgefl client"
+wait_ready "$ROOTFS$DEVICE_OUT.ready" "$!" "edgefl client" "$OUT/client.out"
 start=$SECONDS
 nice -n 19 "$EDGEFL" run --federation remote --server "$server" --root-cert "$OUT/certs/ca.pem" --submitter-cert "$OUT/certs/submitter-0.pem" --strategy fedavg \
-    --dataset digits --partition iid --clients 1 --rounds "$ROUNDS" --local-steps "$LOCAL_STEPS" \
+    "${RUN_DATA[@]}" --rounds "$ROUNDS" --local-steps "$LOCAL_STEPS" \
     --round-deadline-s 600 --out "$OUT/run" > >(tee -a "$LOG") 2>&1 &
 PIDS+=($!)
 run_status=0

@@ -7,6 +7,9 @@ and ``edgefl run --federation remote`` submits runs to that SuperLink.
     edgefl client --server 192.168.1.10:9092 --root-cert ca.pem --partition-id 0 --num-partitions 4 \\
         --auth-key node-0.key
 
+A script waits for ``--ready-file PATH`` (:class:`ReadyFile`), not for words the commands print: the server writes
+it once it serves, the client once its device joined.
+
 A client keeps its device in the federation: Flower's SuperNode retries a lost SuperLink without limit, and
 when the SuperNode gives up (the SuperLink restarted and forgot the node) the client starts it again."""
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import shutil
 import socket
@@ -59,10 +63,38 @@ NODE_ACTIVATED = "[Fleet.ActivateNode] Activated node_id="  # flower-superlink
 NODE_REFUSED = ("[/v1/fleet/activate-node][ApiError:", "[/v1/fleet/register-node][ApiError:")  # flower-superlink
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
+READY_FILE_HELP = "write this file (atomically) once {when}, for scripts to wait for; removed when it stops"
 
 
 def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
+
+
+@dataclass(frozen=True)
+class ReadyFile:
+    """``--ready-file PATH`` of ``edgefl server`` and ``edgefl client``: written atomically the moment the command
+    is ready (the server serves, the device joined), with the lines it prints then; removed on entering and on
+    leaving the ``with`` around the command, so that it is never an earlier run's."""
+
+    path: Path | None  # None: no --ready-file
+
+    def __enter__(self) -> ReadyFile:
+        self.clear()  # an earlier run's
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        if self.path:
+            self.path.unlink(missing_ok=True)
+
+    def write(self, lines: list[str]) -> None:
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.partial")
+            partial.write_text("".join(f"{line}\n" for line in lines))
+            os.replace(partial, self.path)
 
 
 # ----- edgefl server ------------------------------------------------------------------------------------------
@@ -115,11 +147,17 @@ def _server_events(text: str) -> list[str]:
 
 
 def serve(
-    listen: str, certs: ServerCerts | None, auth_keys: list[Path], out: Path, progress: Callable[[str], None]
+    listen: str,
+    certs: ServerCerts | None,
+    auth_keys: list[Path],
+    out: Path,
+    progress: Callable[[str], None],
+    ready: ReadyFile | None = None,
 ) -> None:
     """Run Flower's SuperLink on this machine's loopback and the gateway (``edgefl.gateway``) on ``listen`` until
     interrupted, registering the SuperNode keys ``auth_keys`` (node authentication is on when there are any);
-    reports joins and refusals. Stops what it started on the way out."""
+    writes ``ready`` as it prints how to join, then reports joins and refusals. Stops what it started on the way
+    out."""
     host, port = parse_address(listen)
     if auth_keys and certs is None:
         raise ConfigError("node authentication needs TLS: give --certs DIR instead of --insecure")
@@ -142,9 +180,12 @@ def serve(
         write_flwr_home(Path(env["FLWR_HOME"]), local, certs.ca.resolve() if certs else None)
         for key in auth_keys:
             run_flwr(["supernode", "register", str(key.resolve()), FEDERATION], env)
-        for line in join_instructions(listen, certs, auth_keys, local):
+        lines = join_instructions(listen, certs, auth_keys, local)
+        lines.append(f"logs: {logs / 'superlink.log'}, {gateway / 'access.log'}; Ctrl-C stops the server")
+        if ready:
+            ready.write(lines)
+        for line in lines:
             progress(line)
-        progress(f"logs: {logs / 'superlink.log'}, {gateway / 'access.log'}; Ctrl-C stops the server")
         offset = 0
         while True:
             procs.check_alive()
@@ -170,6 +211,7 @@ class ClientSpec:
     device_profile: str = "laptop"
     out: Path | None = None  # default runs/client-I
     connect_timeout_s: float = CONNECT_TIMEOUT_S
+    startup_timeout_s: float = STARTUP_TIMEOUT_S  # for the edge agent to start (minutes under emulation)
 
     @property
     def folder(self) -> Path:
@@ -186,7 +228,8 @@ class ClientSpec:
         if self.data_dir:
             argv += ["--data-dir", str(Path(self.data_dir).resolve())]
         argv += ["--device-profile", self.device_profile, "--out", str(self.folder)]
-        return [*argv, "--connect-timeout", f"{self.connect_timeout_s:g}"]
+        argv += ["--connect-timeout", f"{self.connect_timeout_s:g}"]
+        return [*argv, "--startup-timeout", f"{self.startup_timeout_s:g}"]
 
     def check(self) -> None:
         """Raise the module's own error (one line) for input that cannot work, before anything starts."""
@@ -199,6 +242,8 @@ class ClientSpec:
             raise ConfigError(f"--partition-id must be in 0..{self.num_partitions - 1}, got {self.partition_id}")
         if self.connect_timeout_s <= 0:
             raise ConfigError(f"--connect-timeout must be positive, got {self.connect_timeout_s:g}")
+        if self.startup_timeout_s <= 0:
+            raise ConfigError(f"--startup-timeout must be positive, got {self.startup_timeout_s:g}")
         if self.auth_key:
             if self.root_cert is None:
                 raise ConfigError("node authentication needs TLS: give --root-cert FILE instead of --insecure")
@@ -250,10 +295,11 @@ def _run_supernode(
     progress: Callable[[str], None],
     cap: DeviceCaps,
     tend_agent: Callable[[], None],
+    ready: ReadyFile | None,
 ) -> bool:
-    """Run one SuperNode process until it exits (on the emulated device's ``supernode`` core once it has joined),
-    calling ``tend_agent`` meanwhile; returns whether it joined. The ``first`` one must join within the connect
-    timeout, or this raises LaunchError with the reason."""
+    """Run one SuperNode process until it exits (on the emulated device's ``supernode`` core once it has joined,
+    when it writes ``ready``), calling ``tend_agent`` meanwhile; returns whether it joined. The ``first`` one must
+    join within the connect timeout, or this raises LaunchError with the reason."""
     log = agent.log_dir / "supernode.log"
     offset = _size(log)
     deadline = time.monotonic() + spec.connect_timeout_s
@@ -265,7 +311,10 @@ def _run_supernode(
             if not joined and JOINED in tail_from(log, offset):
                 joined = True
                 cap.place("supernode", proc.pid)
-                progress(f"partition {spec.partition_id}/{spec.num_partitions} joined {spec.server}")
+                line = f"partition {spec.partition_id}/{spec.num_partitions} joined {spec.server}"
+                if ready:
+                    ready.write([line])
+                progress(line)
             if first and not joined and time.monotonic() > deadline:
                 raise LaunchError(f"the SuperNode did not join {spec.server} within {spec.connect_timeout_s:.0f} s")
             time.sleep(POLL_S)
@@ -275,13 +324,15 @@ def _run_supernode(
     return JOINED in text
 
 
-def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
+def join(spec: ClientSpec, progress: Callable[[str], None], ready: ReadyFile | None = None) -> None:
     """Keep this device in the federation until interrupted: the edge agent, started again beside the running
-    SuperNode whenever it dies, and Flower's SuperNode restarted whenever it exits. Fails with one line if the
-    server cannot be reached or refuses the node the first time, or if the agent does not start."""
+    SuperNode whenever it dies, and Flower's SuperNode restarted whenever it exits; ``ready`` is written each time
+    the SuperNode joins. Fails with one line if the server cannot be reached or refuses the node the first time,
+    or if the agent does not start."""
     spec.check()
     with contextlib.ExitStack() as stack:
-        cap = stack.enter_context(DeviceCaps(device_profile(spec.device_profile), f"client-{spec.partition_id}"))
+        shares = device_profile(spec.device_profile).shares()
+        cap = stack.enter_context(DeviceCaps(shares, f"client-{spec.partition_id}"))
         reach_superlink(spec.server, spec.root_cert, spec.connect_timeout_s)
         logs = spec.folder / "logs"
         shutil.rmtree(logs, ignore_errors=True)
@@ -293,7 +344,7 @@ def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
         def start_agent() -> None:
             runtime.ready_file.unlink(missing_ok=True)
             agent.start("agent", runtime.agent_argv(*data_dir))
-            agent.wait_until("the edge agent", runtime.ready_file.exists, STARTUP_TIMEOUT_S)
+            agent.wait_until("the edge agent", runtime.ready_file.exists, spec.startup_timeout_s)
             AgentThreads.load(runtime.ready_file).place(cap)
 
         def tend_agent() -> None:
@@ -314,7 +365,7 @@ def join(spec: ClientSpec, progress: Callable[[str], None]) -> None:
         first = True
         while True:
             argv = supernode_argv(spec.server, spec.root_cert, node_config, spec.auth_key, serve=runtime)
-            joined = _run_supernode(spec, argv, agent, first, progress, cap, tend_agent)
+            joined = _run_supernode(spec, argv, agent, first, progress, cap, tend_agent, ready)
             first = False
             progress(
                 f"the SuperNode {'left' if joined else 'could not rejoin'}; restarting it in {RESTART_DELAY_S:g} s"
@@ -340,7 +391,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     if (args.certs is None) == (not args.insecure):
         raise ConfigError("give --certs DIR (TLS) or --insecure (plain text, trusted networks only)")
     certs = ServerCerts.in_dir(args.certs) if args.certs else None
-    serve(args.listen, certs, args.auth_keys or [], args.out, lambda line: print(line, flush=True))
+    with ReadyFile(args.ready_file) as ready:
+        serve(args.listen, certs, args.auth_keys or [], args.out, lambda line: print(line, flush=True), ready)
     return 0
 
 
@@ -349,7 +401,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         raise ConfigError("give --root-cert FILE (the server's CA certificate) or --insecure, not both or neither")
     spec = ClientSpec(
         args.server, args.partition_id, args.num_partitions, args.root_cert, args.auth_key, args.dataset,
-        args.data_dir or "", args.device_profile, args.out, args.connect_timeout,
+        args.data_dir or "", args.device_profile, args.out, args.connect_timeout, args.startup_timeout,
     )  # fmt: skip
     if args.install_systemd is not None:
         spec.check()
@@ -357,7 +409,8 @@ def cmd_client(args: argparse.Namespace) -> int:
         path.write_text(systemd_unit(spec))
         print(f"wrote {path}; enable it with: sudo systemctl daemon-reload && sudo systemctl enable --now {path.name}")
         return 0
-    join(spec, lambda line: print(line, flush=True))
+    with ReadyFile(args.ready_file) as ready:
+        join(spec, lambda line: print(line, flush=True), ready)
     return 0
 
 
@@ -377,6 +430,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth-keys", type=Path, nargs="+", metavar="PUB",
                    help="SuperNode public keys (node-I.pub) to admit; other nodes are refused")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/server"), help="folder for logs (default runs/server)")
+    p.add_argument("--ready-file", type=Path, metavar="PATH", help=READY_FILE_HELP.format(when="it serves"))
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("client", help="join this device to an edgefl server (edge agent + SuperNode)")
@@ -393,6 +447,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="folder for logs and the node's secret (default runs/client-I)")
     p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="S",
                    help=f"seconds to wait for the server at start (default {CONNECT_TIMEOUT_S:g})")  # fmt: skip
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="S",
+                   help=f"seconds to wait for the edge agent to start (default {STARTUP_TIMEOUT_S:g})")  # fmt: skip
+    p.add_argument("--ready-file", type=Path, metavar="PATH", help=READY_FILE_HELP.format(when="this device joined"))
     p.add_argument("--install-systemd", nargs="?", const="", default=None, metavar="UNIT_FILE",
                    help="write a systemd unit running this command instead of running it "
                    "(default /etc/systemd/system/edgefl-client-I.service)")  # fmt: skip

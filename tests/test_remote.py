@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,9 +101,11 @@ def test_clients_join_a_tls_server_survive_its_restart_and_unknown_nodes_are_ref
         for i in range(2):  # the exact line the server printed, with I and N filled in
             argv = shlex.split(join_line.replace("node-I", f"node-{i}").replace(" I ", f" {i} ").replace(" N", " 2"))
             assert argv[:2] == ["edgefl", "client"] and "--root-cert" in argv and "--auth-key" in argv
-            clients.append(Command(*argv[1:], "--dataset", "digits", "--out", str(tmp_path / f"client-{i}")))
-        for client in clients:
-            client.wait_for(f"joined 127.0.0.1:{port}")
+            clients.append(Command(*argv[1:], "--dataset", "digits", "--out", str(tmp_path / f"client-{i}"),
+                                   "--ready-file", str(tmp_path / f"client-{i}.ready")))  # fmt: skip
+        for i, client in enumerate(clients):
+            joined = client.wait_for(f"joined 127.0.0.1:{port}")
+            assert (tmp_path / f"client-{i}.ready").read_text() == joined + "\n"  # written before it was printed
         # The submit line the server printed: through the gateway, with a submitter certificate.
         remote = shlex.split(submit_line.replace("submitter-I", "submitter-0").replace(" --clients N ...", ""))[2:]
         assert (
@@ -149,9 +152,11 @@ def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path, edgefl_ma
     certs, other, port = tmp_path / "certs", tmp_path / "other", free_port()
     for folder in (certs, other):
         assert edgefl_main("certs", "--out", str(folder), "--submitters", "1").returncode == 0
-    server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(tmp_path / "s"))
+    ready = tmp_path / "s.ready"
+    server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(tmp_path / "s"),
+                     "--ready-file", str(ready))  # fmt: skip
     try:
-        server.wait_for("each device joins with")
+        assert server.wait_for("^gateway ") in ready.read_text().splitlines()  # written before it was printed
         wrong = ["--server", f"127.0.0.1:{port}", "--root-cert", str(other / "ca.pem")]
         client = edgefl_main("client", *wrong, "--partition-id", "0", "--num-partitions", "2", "--dataset", "digits",
                         "--out", str(tmp_path / "c"))  # fmt: skip
@@ -165,6 +170,7 @@ def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path, edgefl_ma
         _one_line_error(run, "refused submitter-0.pem")
     finally:
         assert server.interrupt() == 130
+    assert not ready.exists()
     for folder in ("s", "c", "r"):
         assert not processes_of(tmp_path / folder)
 
@@ -179,6 +185,7 @@ CLIENT = ["client", "--insecure", "--num-partitions", "2", "--dataset", "digits"
         ([*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "2"], "--partition-id must be in 0..1"),
         ([*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "0", "--connect-timeout", "1"], "cannot reach"),
         ([*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "0", "--auth-key", "k"], "needs TLS"),
+        ([*CLIENT, "--server", "127.0.0.1:9", "--partition-id", "0", "--startup-timeout", "0"], "--startup-timeout"),
         (
             [
                 "client",
@@ -246,6 +253,7 @@ def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
     assert (args.server, args.partition_id, args.num_partitions) == ("10.0.0.5:9092", 1, 4)
     assert (args.root_cert, args.auth_key, args.out) == (spec.root_cert, spec.auth_key, spec.out)
     assert (args.dataset, args.device_profile, args.insecure) == ("digits", "rpi4", False)
+    assert (args.connect_timeout, args.startup_timeout) == (spec.connect_timeout_s, spec.startup_timeout_s)
 
 
 def test_install_systemd_writes_the_unit_and_starts_nothing(tmp_path: Path, edgefl_main) -> None:
@@ -257,3 +265,27 @@ def test_install_systemd_writes_the_unit_and_starts_nothing(tmp_path: Path, edge
     assert "systemctl enable --now edgefl-client-0.service" in done.stdout
     assert "ExecStart=" in unit.read_text() and "--insecure" in unit.read_text()
     assert not (tmp_path / "c").exists()
+
+
+def test_the_server_writes_its_ready_file_as_it_prints_how_to_join(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edgefl_main
+) -> None:
+    """``edgefl server --ready-file`` (bench/aarch64_check.sh waits for it), in this process with the SuperLink and
+    the gateway stood in for: an earlier server's file is replaced, by the very lines the server prints, before
+    it first waits for joins (its first poll is interrupted: Ctrl-C); the file is gone once the server stopped."""
+    ready = tmp_path / "server.ready"
+    ready.write_text("an earlier server's\n")
+    at_first_poll = []
+
+    def interrupt(_: float) -> None:
+        at_first_poll.append(ready.read_text())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("edgefl.remote.start_superlink", lambda procs, argv: None)
+    monkeypatch.setattr("edgefl.remote.Gateway.start", lambda self, procs: procs.log_dir / "gateway")
+    monkeypatch.setattr("edgefl.remote.time", SimpleNamespace(sleep=interrupt))
+    done = edgefl_main("server", "--listen", f"127.0.0.1:{free_port()}", "--insecure", "--out", tmp_path / "s",
+                       "--ready-file", ready)  # fmt: skip
+    assert done.returncode == 130, done.stderr
+    assert at_first_poll == [done.stdout] and "each device joins with" in done.stdout
+    assert not ready.exists()
