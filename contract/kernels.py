@@ -11,8 +11,9 @@ each set from a kernel that has published Raspberry Pi figures:
 
 A share is this host's time on the kernel over the device's (``share = host / device``): a CPU quota of that
 share of a host core then runs the kernel at the device's speed, on any host and whatever library or interpreter
-this host has. The host is measured at run time, as the clock measures its unit: in a child process with one BLAS
-thread, by CPU time (``HOST``: the median of many short runs), so that other processes do not make it look slow,
+this host has. The host is measured at run time, as the clock measures its unit: on the calling thread with one
+BLAS thread, by its CPU time (``HOST``: the median of many short runs), so that other processes do not make it look
+slow,
 and kept for ``HOST_SPEED_MAX_AGE_S`` in ``$XDG_CACHE_HOME/edgefl/host-speed-*.json`` (one per machine, Python,
 numpy and version of this file), so that the processes of one run (the launcher, a simulation's server) read the
 same figures; a cloud host's core drifts by tens of percent over hours (seen here: 31.9 to 39.2 GFLOP/s), so an
@@ -26,7 +27,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +39,6 @@ NBODY_STEPS = 500
 RUNS = 31  # on the host: many short runs by CPU time, their median (a few slowed by other processes do not count)
 DEVICE_WINDOW_S = 2.0  # on a device: runs over this much wall time, averaged (a CPU quota is a rate over 100 ms
 # periods: a short run that fits in one period's quota would see the uncapped core)
-MEASURE_TIMEOUT_S = 120.0
 HOST_SPEED_MAX_AGE_S = 600.0
 
 
@@ -76,7 +75,7 @@ class Timing:
         return sorted(times)[len(times) // 2]
 
 
-HOST = Timing(time.process_time)  # CPU time: a busy host does not make the kernels look slow
+HOST = Timing(time.thread_time)  # this thread's CPU time: other threads and processes do not make it look slow
 DEVICE = Timing(time.perf_counter, window_s=DEVICE_WINDOW_S)  # wall time, under a device's caps or on a device
 
 
@@ -138,8 +137,8 @@ def measure(timing: Timing = DEVICE) -> KernelSpeeds:
 
 
 def host_speeds(max_age_s: float = HOST_SPEED_MAX_AGE_S) -> KernelSpeeds:
-    """This host's speed on one core: measured in a child (one BLAS thread, CPU time), or read from an entry no
-    older than ``max_age_s`` (0: measure now)."""
+    """This host's speed on one core: measured on this thread (``HOST``: its CPU time, one BLAS thread), or read from
+    an entry no older than ``max_age_s`` (0: measure now)."""
     path = _cache_path()
     try:
         entry = json.loads(path.read_text())
@@ -147,12 +146,7 @@ def host_speeds(max_age_s: float = HOST_SPEED_MAX_AGE_S) -> KernelSpeeds:
             return KernelSpeeds(**entry["speeds"])
     except (OSError, ValueError, TypeError, KeyError):
         pass
-    threads = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    child = subprocess.run(
-        [sys.executable, "-m", "contract.kernels"], capture_output=True, text=True, check=True,
-        env={**os.environ, **threads}, timeout=MEASURE_TIMEOUT_S, cwd=Path(__file__).resolve().parent.parent,
-    )  # fmt: skip
-    speeds = KernelSpeeds(**json.loads(child.stdout))
+    speeds = measure(HOST)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -177,7 +171,3 @@ def _cpuinfo() -> str:
         return Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-
-
-if __name__ == "__main__":  # the child of host_speeds: CPU time, which a busy host does not inflate
-    print(json.dumps(asdict(measure(HOST))))

@@ -49,23 +49,23 @@ def test_each_kind_of_core_has_its_own_share() -> None:
 
 
 def test_the_host_is_measured_at_run_time_and_kept_for_a_while(tmp_path: Path, monkeypatch) -> None:
-    """Measured in a child the first time, read back by the next caller (another process of the same run), and
-    measured again once the entry is older than asked for or torn."""
+    """Measured the first time, read back by the next caller (another process of the same run), and measured again
+    once the entry is older than asked for or torn."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = kernels.host_speeds()
     assert first.dgemm_gflops > 0 and first.nbody_s_per_step > 0
     (cached,) = (tmp_path / "edgefl").glob("host-speed-*.json")
     measured = []
-    real_run = kernels.subprocess.run
+    real_measure = kernels.measure
 
-    def counted(*args: object, **kwargs: object) -> object:
-        measured.append(args)
-        return real_run(*args, **kwargs)
+    def counted(timing: Timing) -> KernelSpeeds:
+        measured.append(timing)
+        return real_measure(timing)
 
-    monkeypatch.setattr(kernels.subprocess, "run", counted)
+    monkeypatch.setattr(kernels, "measure", counted)
     assert kernels.host_speeds() == first and not measured
     kernels.host_speeds(max_age_s=0)
-    assert len(measured) == 1
+    assert measured == [kernels.HOST]
     cached.write_text("{torn")
     kernels.host_speeds()
     assert len(measured) == 2 and json.loads(cached.read_text())["speeds"]["dgemm_gflops"] > 0
