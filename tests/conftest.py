@@ -27,6 +27,22 @@ from contract.run_folder import SUMMARY, read_rounds
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _cgroup_support() -> str:
+    """Why the cgroup tests cannot run here, or "" if they can."""
+    from edge.devices import DeviceError, cpu_hierarchy
+
+    if os.geteuid() != 0:
+        return "device profiles need root to create cgroups"
+    try:
+        cpu_hierarchy()
+    except DeviceError as error:
+        return str(error)
+    return ""
+
+
+needs_cgroups = pytest.mark.skipif(bool(_cgroup_support()), reason=_cgroup_support() or "supported")
+
+
 def edgefl(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess[str]:
     """``edgefl ARGS`` as a user types it, in a fresh interpreter."""
     return subprocess.run(

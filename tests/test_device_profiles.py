@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,9 @@ from contract.devices import (
 )
 from contract.kernels import KernelSpeeds, Timing
 from contract.settings import build_config
-from edge.devices import cpu_hierarchy
 from netem.clock import client_models
 from netem.profiles import BUILTIN_LINKS
-from tests.conftest import edgefl
+from tests.conftest import edgefl, needs_cgroups
 
 HOST = KernelSpeeds(dgemm_gflops=40.0, nbody_s_per_step=6e-6)
 STEP = TrainStep("cnn", "digits", 32, 0.25)
@@ -146,18 +144,8 @@ def test_a_missing_profile_file_is_one_line(tmp_path: Path) -> None:
         device_profile(str(tmp_path / "nope.json"))
 
 
-def _cgroup_support() -> str:
-    if os.geteuid() != 0:
-        return "needs root to create cgroups"
-    try:
-        cpu_hierarchy()
-    except DeviceError as error:
-        return str(error)
-    return ""
-
-
 @pytest.mark.root
-@pytest.mark.skipif(bool(_cgroup_support()), reason=_cgroup_support() or "supported")
+@needs_cgroups
 def test_a_profile_written_under_the_rpi4_caps_is_an_rpi4(tmp_path: Path) -> None:
     """``edgefl edge bench --write-profile`` on this host under rpi4's caps: DGEMM and the training step on the
     training core, n-body on a messaging core, and a file ``--device-profile`` takes. How close the figures come to

@@ -24,6 +24,7 @@ from edge.devices import (
     cpu_hierarchy,
     device_profile,
 )
+from tests.conftest import needs_cgroups
 
 TAG = f"test{os.getpid()}"
 NOBODY_UID = 65534
@@ -49,20 +50,6 @@ for _ in sys.stdin:
     trainer.train_steps({TRAIN_STEPS})
     print(time.process_time() - cpu, time.perf_counter() - wall, flush=True)
 """
-
-
-def _cgroup_support() -> str:
-    """Why the cgroup tests cannot run here, or "" if they can."""
-    if os.geteuid() != 0:
-        return "device profiles need root to create cgroups"
-    try:
-        cpu_hierarchy()
-    except DeviceError as error:
-        return str(error)
-    return ""
-
-
-needs_cgroups = pytest.mark.skipif(bool(_cgroup_support()), reason=_cgroup_support() or "supported")
 
 
 def _our_cgroups() -> list[Path]:

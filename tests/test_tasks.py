@@ -224,16 +224,14 @@ def test_a_task_held_unanswered_is_answered_with_an_error_when_the_agent_restart
     assert not HeldTask.path(tmp_path, 7).exists()
 
 
-def test_an_idle_agent_waits_for_its_supernodes_bell(monkeypatch) -> None:
-    """After a claim the agent asks again at once, then backs off to ``POLL_S[1]``; then it waits on the bell
-    instead of asking, and a ring makes it ask at once (the stop event's and the bell's waits are recorded, not
-    slept)."""
+def _claim_loop(monkeypatch, claims: list[bool], bell: object) -> tuple[TaskServer, list[str]]:
+    """The agent's claim loop against scripted claims (it stops when they run out) and a stand-in bell: what it
+    did, in order ("claimed", "none", "slept S", and what the bell records); nothing is slept."""
     server = TaskServer("127.0.0.1:9", None)
-    claims = iter([True, False, False, False, False, False, False, False, False, False, False, False, False])
-    events: list[str] = []
+    script, events = iter(claims), bell.events  # type: ignore[attr-defined]
 
     def claim_one() -> bool:
-        claimed = next(claims, None)
+        claimed = next(script, None)
         if claimed is None:
             stop.set()
             return False
@@ -245,18 +243,29 @@ def test_an_idle_agent_waits_for_its_supernodes_bell(monkeypatch) -> None:
             events.append(f"slept {timeout:.4f}")
             return self.is_set()
 
-    class Bell:
-        rings = iter([False, True])
-
-        def wait(self, timeout_s: float) -> bool:
-            rang = next(self.rings, False)
-            events.append(f"bell {timeout_s:.1f} " + ("rang" if rang else "quiet"))
-            return rang
-
     stop = Stop()
     monkeypatch.setattr(server, "claim_one", claim_one)
-    monkeypatch.setattr(server, "bell", Bell())
+    monkeypatch.setattr(server, "bell", bell)
     server._claim_until(stop, tasks.POLL_S[0], "", False)
+    return server, events
+
+
+class _Bell:
+    """A stand-in bell: each wait records itself and rings or not, as scripted (quiet once the script ends)."""
+
+    def __init__(self, rings: list[bool]) -> None:
+        self.rings, self.events = iter(rings), []
+
+    def wait(self, timeout_s: float) -> bool:
+        rang = next(self.rings, False)
+        self.events.append(f"bell {timeout_s:.1f} " + ("rang" if rang else "quiet"))
+        return rang
+
+
+def test_an_idle_agent_waits_for_its_supernodes_bell(monkeypatch) -> None:
+    """After a claim the agent asks again at once, then backs off to ``POLL_S[1]``; then it waits on the bell
+    instead of asking, and a ring makes it ask at once."""
+    _, events = _claim_loop(monkeypatch, [True] + [False] * 12, _Bell([False, True]))
     bell_waits = [i for i, e in enumerate(events) if e.startswith("bell")]
     sleeps = [float(e.split()[1]) for e in events[: bell_waits[0]] if e.startswith("slept")]
     assert events[:3] == ["claimed", "none", f"slept {tasks.POLL_S[0]:.4f}"]
@@ -270,34 +279,9 @@ def test_an_idle_agent_waits_for_its_supernodes_bell(monkeypatch) -> None:
 def test_an_agent_whose_supernode_does_not_ring_polls(monkeypatch) -> None:
     """A task that comes after a wait on the bell that heard nothing: the SuperNode does not ring (Flower's stock
     transport), so the agent polls every ``POLL_S[1]`` from then on instead of waiting on the bell."""
-    server = TaskServer("127.0.0.1:9", None)
-    claims = iter([False] * 8 + [True] + [False] * 10)
-    events: list[str] = []
-
-    def claim_one() -> bool:
-        claimed = next(claims, None)
-        if claimed is None:
-            stop.set()
-            return False
-        events.append("claimed" if claimed else "none")
-        return claimed
-
-    class Stop(threading.Event):
-        def wait(self, timeout: float | None = None) -> bool:
-            events.append(f"slept {timeout:.4f}")
-            return self.is_set()
-
-    class QuietBell:
-        def wait(self, timeout_s: float) -> bool:
-            events.append("bell")
-            return False
-
-    stop = Stop()
-    monkeypatch.setattr(server, "claim_one", claim_one)
-    monkeypatch.setattr(server, "bell", QuietBell())
     monkeypatch.setattr(tasks, "BELL_WAIT_S", tasks.POLL_S[1])  # one quiet wait on the bell per fallback
-    server._claim_until(stop, tasks.POLL_S[1], "", False)
+    server, events = _claim_loop(monkeypatch, [False] * 12 + [True] + [False] * 12, _Bell([]))
     claim = events.index("claimed")
-    assert "bell" in events[:claim] and not server.bell_heard
+    assert any(e.startswith("bell") for e in events[:claim]) and not server.bell_heard
     after_burst = [e for e in events[claim:] if e.startswith("slept")][-3:]
-    assert after_burst == [f"slept {tasks.POLL_S[1]:.4f}"] * 3 and "bell" not in events[claim:]
+    assert after_burst == [f"slept {tasks.POLL_S[1]:.4f}"] * 3 and not any(e.startswith("bell") for e in events[claim:])
