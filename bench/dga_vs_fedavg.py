@@ -19,6 +19,7 @@ with seed 0 only: a per-round ratio).
 
     python bench/dga_vs_fedavg.py [--seeds 3] [--delay 4] [--rounds 60] [--lr 0.3] [--device-profile rpi4]
         [--report-only]    # the tables again from the run folders in --out
+        [--resume]         # only the runs --out does not hold finished
 
 Writes OUT/result.md, OUT/result.json (``seeds``, ``per_seed`` with each seed's criteria and regime, and
 ``to_target_speedup_ci``, ``hidden_ratio_ci``, ``accuracy_delta_points_ci`` as [mean, low, high],
@@ -93,6 +94,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1, each a whole comparison")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-dga-vs-fedavg"))
     parser.add_argument("--report-only", action="store_true", help="no runs: the result from the run folders")
+    parser.add_argument("--resume", action="store_true", help="run only what has no finished run folder in --out")
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error(f"--seeds must be at least 1, got {args.seeds}")
@@ -114,7 +116,7 @@ def main() -> int:
                 seed=seed, device_profile="laptop" if flower else args.device_profile,
                 out=str(run_dir_for(args.out / f"seed-{seed}", profile, strategy)),
             )  # fmt: skip
-            if not args.report_only:
+            if not (args.report_only or (args.resume and (Path(config.out) / "summary.json").exists())):
                 print(f"== seed {seed}: [{i}/{len(plan)}] {strategy} over {profile}", flush=True)
                 run(config, lambda line: print("   " + line, flush=True))
             results[strategy, profile] = load_run(Path(config.out))
