@@ -15,8 +15,7 @@ And one change of order: Flower's SuperNode pulls one message, then waits until 
 before it pulls the next — one message in flight per node. edgefl's SuperNode pulls every message queued for it
 and pushes each reply as soon as it exists (``_Pipeline``), so the agent holds several messages at once and
 answers each when it has an update ready (``edge.agent``): DGA's updates leave as they are trained, not in
-bundles behind one message. And it rings its agent's bell (``TaskBell``) for each message it pulls, so that an
-idle agent waits on the bell instead of asking the SuperNode's Runtime API for a task ten times a second.
+bundles behind one message.
 
 The SuperNode (``python -m fl_client.supernode``) and edgefl's ServerApp call ``tune()`` before Flower moves a
 message. It changes nothing unless the installed flwr is one of ``contract.flower.FLWR_CHECKED`` and the source of
@@ -46,8 +45,6 @@ import functools
 import logging
 import os
 import queue
-import select
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -229,65 +226,14 @@ class _Prefetched:
         return getattr(self._state, name)
 
 
-class TaskBell:
-    """How a device's SuperNode tells its agent that a task is waiting, instead of the agent polling the Runtime
-    API for one: a datagram on the abstract Unix socket ``edgefl-task-bell-PORT`` (PORT: the SuperNode's Runtime
-    API port; abstract sockets belong to a network namespace, which a device's SuperNode and agent share). The
-    SuperNode rings once a pulled message's task and objects are in (``_Pipeline``); the agent listens and waits
-    on it between its claims (``fl_client.tasks``), with a longest wait of its own, since a datagram may find no
-    listener. Anyone on the device may ring it: a ring only makes the agent ask the SuperNode for a task."""
-
-    def __init__(self, port: int) -> None:
-        self.address = f"\0edgefl-task-bell-{port}"
-        self._socket: socket.socket | None = None
-
-    def ring(self) -> None:
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as bell:
-            bell.sendto(b"!", self.address)  # no listener (no agent yet): the agent's own wait runs out
-
-    def listen(self) -> bool:
-        """Bind the bell for this process's waits; False if another process holds it (then ``wait`` only sleeps)."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            listener.bind(self.address)
-        except OSError:
-            listener.close()
-            return False
-        listener.setblocking(False)
-        self._socket = listener
-        return True
-
-    def wait(self, timeout_s: float) -> bool:
-        """Until the bell rings or ``timeout_s`` passes; True if it rang (every ring since the last wait is taken)."""
-        if self._socket is None:
-            time.sleep(timeout_s)
-            return False
-        rang, _, _ = select.select([self._socket], [], [], timeout_s)
-        while rang:
-            try:
-                self._socket.recv(64)
-            except BlockingIOError:
-                break
-        return bool(rang)
-
-    def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
-
-
 class _Pipeline:
     """The SuperNode's loop (``start_client_internal``: pull a message, then ``_push_messages``, which waits for
     its reply) made to pull and push independently: the pull reports a message even when there was none, so
-    the loop always goes on to the push, and rings the agent's bell (``TaskBell``) when there was one; the push
-    sends the replies that exist and returns; after a pull that found nothing it first waits up to the idle poll
-    for a reply, looking every ``REPLY_POLL_S``."""
+    the loop always goes on to the push; the push sends the replies that exist and returns; after a pull that
+    found nothing it first waits up to the idle poll for a reply, looking every ``REPLY_POLL_S``."""
 
-    def __init__(
-        self, pull: Callable[..., int | None], push: Callable[..., None], idle: _IdleBackoff,
-        ring: Callable[[], None] = lambda: None,
-    ) -> None:  # fmt: skip
-        self._pull, self._push, self._idle, self._ring = pull, push, idle, ring
+    def __init__(self, pull: Callable[..., int | None], push: Callable[..., None], idle: _IdleBackoff) -> None:
+        self._pull, self._push, self._idle = pull, push, idle
         self._pulled = False
 
     def pull(self, *args: Any, **kwargs: Any) -> int:
@@ -295,7 +241,6 @@ class _Pipeline:
         self._pulled = run_id is not None
         if self._pulled:
             self._idle.received()
-            self._ring()
         return NO_RUN if run_id is None else run_id
 
     def push(self, *, state: Any, object_store: Any, send: Any, push_object: Any) -> None:
@@ -331,12 +276,12 @@ def _set_defaults(function: Callable[..., Any], **defaults: float) -> None:
     function.__kwdefaults__.update(defaults)  # type: ignore[union-attr]
 
 
-def _apply(bell: TaskBell | None) -> None:
+def _apply() -> None:
     from contract.flower import inflatable_utils
     from contract.flower import supernode_loop as loop
 
     idle = _IdleBackoff()
-    pipeline = _Pipeline(loop._pull_and_store_message, loop._push_messages, idle, bell.ring if bell else lambda: None)
+    pipeline = _Pipeline(loop._pull_and_store_message, loop._push_messages, idle)
     loop.time = _TunedClock(idle)  # type: ignore[attr-defined]
     loop._pull_and_store_message = pipeline.pull  # type: ignore[attr-defined]
     loop._push_messages = pipeline.push  # type: ignore[attr-defined]
@@ -351,14 +296,13 @@ def _apply(bell: TaskBell | None) -> None:
     inflatable_utils.get_num_workers = lambda max_concurrent: max_concurrent  # type: ignore[assignment]
 
 
-def tune(bell: TaskBell | None = None) -> str:
-    """Shorten Flower's waits in this process if the check passes, the SuperNode ringing ``bell`` for each message
-    it pulls; returns ``fast`` or ``stock`` (idempotent)."""
+def tune() -> str:
+    """Shorten Flower's waits in this process if the check passes; returns ``fast`` or ``stock`` (idempotent)."""
     global _applied
     if _applied is None:
         reason = why_stock()
         if reason is None:
-            _apply(bell)
+            _apply()
             _applied = FAST
         else:
             log.warning("edgefl: Flower's stock message path (%s)", reason)

@@ -1,8 +1,6 @@
 """Flower's SuperNode with its fixed waits tuned (``contract.transport``); every argument is
 ``flower-supernode``'s but ``--parent-pid PID``, given first: it stops (as on SIGTERM) once that process is gone
-(``contract.parent``). edgefl starts it with ``--isolation process``: the edge agent serves its tasks, and the
-SuperNode rings the agent's bell for its Runtime API ``--port`` when a task is waiting
-(``contract.transport.TaskBell``).
+(``contract.parent``). edgefl starts it with ``--isolation process``: the edge agent serves its tasks.
 
     python -m fl_client.supernode [--parent-pid PID] --insecure --superlink HOST:PORT --isolation process ...
 """
@@ -13,7 +11,7 @@ import logging
 import sys
 
 from contract.parent import watch_parent
-from contract.transport import TaskBell, tune
+from contract.transport import tune
 
 
 def preload() -> None:
@@ -31,8 +29,7 @@ def main() -> None:
     log = logging.getLogger("edgefl")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    port = sys.argv[sys.argv.index("--port") + 1] if "--port" in sys.argv else None  # the Runtime API's
-    log.info("Flower's message path: %s", tune(TaskBell(int(port)) if port else None))
+    log.info("Flower's message path: %s", tune())
     from contract.flower import flower_supernode
 
     flower_supernode()

@@ -9,12 +9,7 @@ task that sends none for 60 s). The Runtime API listens on the device's loopback
 nothing on a connection whose other end is not its own user's (``fl_client.runtime_owner``).
 
 Tasks are served side by side, up to ``MAX_TASKS`` at once: edgefl's SuperNode hands over every message queued
-for it (``contract.transport``), and the agent holds each until it has an update to answer it with. After a
-claim the agent asks again at once and then less and less often (``POLL_S``); once idle it waits for its
-SuperNode's bell (``contract.transport.TaskBell``), rung for each message, and asks at least every
-``BELL_WAIT_S`` besides: an idle device's Runtime API serves one claim a second, not ten. A task that comes
-after a wait that heard no ring means a SuperNode that does not ring (Flower's stock transport): the agent then
-polls every ``POLL_S[1]``, as it does while it serves ``MAX_TASKS``.
+for it (``contract.transport``), and the agent holds each until it has an update to answer it with.
 
 A task whose message this process has pulled is kept on disk (``HeldTask``, one file per task in the held-tasks
 folder) until it is finished: an agent that died holding some (kill -9, out of memory, a power cut of the agent's
@@ -77,16 +72,14 @@ from contract.flower import (
     remove_content_from_message,
     set_message_id,
 )
-from contract.transport import CONCURRENCY, RETRY_BACKOFF_S, TaskBell
+from contract.transport import CONCURRENCY, RETRY_BACKOFF_S
 from fl_client.runtime_owner import NotOurSuperNode, OwnSuperNodeOnly
 
 log = logging.getLogger("edgefl.tasks")
 
 COMPONENT = "flwr-clientapp"  # what this process is to the SuperNode's version check
 ACQUIRE = "/flwr.proto.Runtime/AcquireTask"
-POLL_S = (0.005, 0.1)  # an empty AcquireTask is retried after 5 ms, ×1.5 each time, up to 100 ms; then the
-BELL_WAIT_S = 1.0  # agent waits for its SuperNode's bell (contract.transport.TaskBell), asking again at least
-# this often (a ring that found no listener, a SuperNode without a bell)
+POLL_S = (0.005, 0.1)  # an empty AcquireTask is retried after 5 ms, ×1.5 each time, up to 100 ms
 RECONNECT_S = 0.5  # the SuperNode is not (yet, or no longer) up
 LOG_PREFIX = "served task "
 INPUT_WAIT_S = 5.0  # the task's message is stored right after the task: wait this long for it at most
@@ -185,23 +178,11 @@ class TaskServer:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE}))
         self._claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
         self._serving = threading.BoundedSemaphore(MAX_TASKS)
-        self.bell = TaskBell(int(address.rsplit(":", 1)[1]))
-        self.bell_heard = True  # until a task comes after a wait on the bell that heard nothing
-        self._full = False  # the last claim found MAX_TASKS being served
 
     def serve(self, stop: threading.Event) -> None:
         """Serve until ``stop``: first the tasks a previous agent held, then every task claimed; a SuperNode that
         is not (yet) up, or a port held by another user's process, is retried every ``RECONNECT_S``."""
         delay, state, abandoned = POLL_S[0], "", self.held_dir is not None
-        if not self.bell.listen():
-            log.warning("the task bell %r is held by another process: claiming by polling", self.bell.address[1:])
-        try:
-            self._claim_until(stop, delay, state, abandoned)
-        finally:
-            self.bell.close()
-
-    def _claim_until(self, stop: threading.Event, delay: float, state: str, abandoned: bool) -> None:
-        quiet = False  # the last wait on the bell ran out without a ring
         while not stop.is_set():
             try:
                 if abandoned:
@@ -226,33 +207,14 @@ class TaskServer:
             if state != "up":
                 log.info("serving the tasks of the SuperNode at %s", self.address)
                 state = "up"
-            if claimed:
-                if quiet:  # a task came without a ring: this SuperNode does not ring (stock), so poll
-                    self.bell_heard = False
-                delay, quiet = POLL_S[0], False
-            elif delay < POLL_S[1]:  # just after a claim: a message that came with others
+            delay = POLL_S[0] if claimed else min(delay * 1.5, POLL_S[1])
+            if not claimed:
                 stop.wait(delay)
-                delay *= 1.5
-            elif self._full or not self.bell_heard:
-                stop.wait(POLL_S[1])
-            elif self._bell_rang(stop):
-                delay = POLL_S[0]
-            else:
-                quiet = True
-
-    def _bell_rang(self, stop: threading.Event) -> bool:
-        """Wait for the SuperNode's bell up to ``BELL_WAIT_S``, looking at ``stop`` every ``POLL_S[1]``."""
-        deadline = time.monotonic() + BELL_WAIT_S
-        while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
-            if self.bell.wait(min(left, POLL_S[1])):
-                return True
-        return False
 
     def claim_one(self) -> bool:
         """Claim one pending task and serve it in a thread of its own; False when there was none to claim, or
         ``MAX_TASKS`` are being served."""
-        self._full = not self._serving.acquire(blocking=False)
-        if self._full:  # a task that ends makes room: polled, since its ring may have been taken already
+        if not self._serving.acquire(blocking=False):
             return False
         try:
             claim = self._claims.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))

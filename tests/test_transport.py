@@ -170,17 +170,14 @@ def test_the_pipelined_supernode_pulls_and_pushes_independently(monkeypatch) -> 
         pushed.append(list(state.get_messages_legacy(is_reply=True)))
 
     idle = transport._IdleBackoff()
-    rings: list[int] = []
-    pipeline = transport._Pipeline(lambda **_: pulled.pop(0), push, idle, lambda: rings.append(1))
+    pipeline = transport._Pipeline(lambda **_: pulled.pop(0), push, idle)
     state = State()
     kwargs = {"state": state, "object_store": None, "send": None, "push_object": None}
     assert pipeline.pull() == transport.NO_RUN  # nothing pulled: the loop goes on to push
     pipeline.push(**kwargs)  # no reply: it looked for one every REPLY_POLL_S up to the idle poll, then backs off
     assert pushed == [] and slept and set(slept) == {transport.REPLY_POLL_S}
     assert idle.delay > IDLE_POLL_S[0]
-    assert rings == []
-    assert pipeline.pull() == 5  # a message: the agent's bell rings, no idle wait before pushing what there is
-    assert rings == [1]
+    assert pipeline.pull() == 5  # a message: no idle wait before pushing what there is
     slept.clear()
     pipeline.push(**kwargs)
     assert pushed == [] and slept == []
@@ -285,26 +282,3 @@ def test_an_untuned_process_pulls_replies_through_the_grids_own_call() -> None:
 
     assert why_pulled_whole() == "Flower's message path is stock here"
     assert list(pull_replies(Grid(), ["a", "b"])) == ["reply to a", "reply to b"]
-
-
-def test_the_task_bell_wakes_its_listener_and_nothing_else() -> None:
-    """A ring with no listener is lost, quietly; a listener wakes at once on a ring (however many came since its
-    last wait) and otherwise at its timeout; one listener per bell (a second one learns it cannot)."""
-    from contract.transport import TaskBell
-
-    port = 40_000 + os.getpid() % 20_000  # the name only: nothing listens on the port
-    TaskBell(port).ring()  # nobody listening: not an error
-    bell, other = TaskBell(port), TaskBell(port)
-    assert bell.listen()
-    try:
-        assert not other.listen()
-        assert not bell.wait(0.01)
-        TaskBell(port).ring()
-        TaskBell(port).ring()
-        started = time.monotonic()
-        assert bell.wait(30.0) and time.monotonic() - started < 5.0  # woken by the ring, not the timeout
-        assert not bell.wait(0.01)  # both rings taken by one wait
-    finally:
-        bell.close()
-    assert other.listen()  # free again once closed
-    other.close()
