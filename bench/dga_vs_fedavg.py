@@ -35,6 +35,7 @@ from typing import Any
 
 from results import write_result
 
+from contract.run_folder import SUMMARY
 from contract.settings import build_config
 from edgefl.compare import run_dir_for
 from edgefl.launcher import run
@@ -116,7 +117,7 @@ def main() -> int:
                 seed=seed, device_profile="laptop" if flower else args.device_profile,
                 out=str(run_dir_for(args.out / f"seed-{seed}", profile, strategy)),
             )  # fmt: skip
-            if not (args.report_only or (args.resume and (Path(config.out) / "summary.json").exists())):
+            if not (args.report_only or (args.resume and (Path(config.out) / SUMMARY).exists())):
                 print(f"== seed {seed}: [{i}/{len(plan)}] {strategy} over {profile}", flush=True)
                 run(config, lambda line: print("   " + line, flush=True))
             results[strategy, profile] = load_run(Path(config.out))

@@ -31,7 +31,7 @@ def mean_interval(values: list[float], level: float = 0.95) -> list[float]:
 
     n = len(values)
     if n == 0:
-        raise ValueError("no values to average")
+        raise ReportError("no values to average")
     mean = sum(values) / n
     if n == 1:
         return [mean, mean, mean]

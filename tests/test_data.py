@@ -200,6 +200,7 @@ def run_isolated(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 HUB_PROBE = """
 import time
+import datasets, huggingface_hub  # imported first: the bound is on the failure, not on importing them under load
 from ml.data import DataError, load_dataset
 start = time.monotonic()
 try:

@@ -9,7 +9,7 @@ import pytest
 
 from contract.run_folder import ROUNDS, SUMMARY, RunFolder, summarize, summary_bytes
 from contract.settings import build_config
-from edgefl.report import mean_interval, regime_line, report
+from edgefl.report import ReportError, mean_interval, regime_line, report
 
 
 def _run(path: Path, accuracies: list[float], bytes_per_round: int, **settings) -> Path:
@@ -74,5 +74,5 @@ def test_a_mean_over_seeds_has_its_t_interval() -> None:
     assert mean_interval([0.7]) == [0.7, 0.7, 0.7]
     narrower = mean_interval([1.0, 2.0, 3.0], level=0.5)
     assert low < narrower[1] < narrower[2] < high
-    with pytest.raises(ValueError):
+    with pytest.raises(ReportError, match="no values"):
         mean_interval([])
