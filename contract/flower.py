@@ -19,6 +19,8 @@ from here, and so does every check of the code edgefl relies on. No other module
   ServerApp (by name, from PATH), where ``edgefl.launcher`` puts a warm one's shim, else Flower starts its own.
   ``SUBMIT_SOURCE``: ``flwr run``, which ``edgefl.launcher.submit`` calls in its own process (``flwr_run``), else
   starts as a command.
+  ``CHANNEL_SOURCE``: the SuperNode's Runtime API router, whose dispatch ``fl_client.channel`` makes in the
+  SuperNode's process; where it differs, the SuperNode serves no channel and its agent uses the HTTP API.
   ``PULL_SOURCE``: how the ServerApp's grid pulls replies, which ``contract.transport.pull_replies`` does with
   different nodes' replies pulled side by side; else the grid's own ``pull_messages``.
   ``GRID_SOURCE``: Flower's own FedAvg loop and the grids' ``send_and_receive``, through which
@@ -71,11 +73,16 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
     "flwr.proto.message_pb2": (
         "Message as MessageProto",
         "ConfirmMessageReceivedRequest",  # contract.transport.pull_replies
+        # fl_client.channel: the calls it carries
+        "ConfirmMessageReceivedResponse", "PullObjectRequest", "PullObjectResponse", "PushObjectRequest",
+        "PushObjectResponse",
     ),
     "flwr.proto.node_pb2": ("Node",),
     "flwr.proto.runtime_pb2": (
         "AcquireTaskRequest", "PullAppMessagesRequest", "PullTaskInputRequest", "PushAppMessagesRequest",
         "PushTaskOutputRequest", "SendTaskHeartbeatRequest",
+        "AcquireTaskResponse", "PullAppMessagesResponse", "PullTaskInputResponse", "PushAppMessagesResponse",
+        "PushTaskOutputResponse", "SendTaskHeartbeatResponse",  # fl_client.channel
     ),
     "flwr.supercore.constant": ("TaskType", "SYSTEM_MESSAGE_TYPE"),  # the latter: contract.transport.pull_replies
     "flwr.supercore.heartbeat": ("HeartbeatSender",),
@@ -100,6 +107,8 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
     "flwr.supercore.protobuf.client": ("ProtobufCall", "ProtobufRequestContext"),
     # fl_client.supernode
     "flwr.supernode.cli.flower_supernode": ("flower_supernode",),
+    # fl_client.channel: what Flower's Runtime API handlers refuse with
+    "flwr.supercore.error": ("FlowerError",),
     # contract.transport.message_bytes
     "flwr.proto.recorddict_pb2": ("ConfigRecord as ProtoConfigRecord",),
     # contract.transport.pull_replies: the ServerApp's grid, as Flower's HttpGrid.pull_messages pulls replies
@@ -115,6 +124,9 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
 INTERNAL_MODULES = {
     "supernode_loop": "flwr.supernode.start_client_internal",
     "inflatable_utils": "flwr.supercore.inflatable.inflatable_utils",
+    # fl_client.channel: the handlers the SuperNode's Runtime API router calls
+    "node_runtime_handlers": "flwr.supernode.servicer.runtime.runtime_handlers",
+    "core_runtime_handlers": "flwr.supercore.servicer.runtime.runtime_handlers",
 }
 # every internal name: the name edgefl uses -> (module, the attribute it is; None: the module itself)
 INTERNAL: dict[str, tuple[str, str | None]] = {
@@ -135,6 +147,26 @@ TUNED_SOURCE = {
     "flwr.supercore.inflatable.inflatable_utils.push_objects": "5893dafc584a46c8",
     "flwr.supercore.inflatable.inflatable_utils.push_object_contents_from_iterable": "89d2efe1cf720c91",
     "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
+}
+
+# the SuperNode's Runtime API router and how it finds a call's task, whose dispatch fl_client.channel makes in the
+# SuperNode's process (each call to the handler the router gives it, with the task its token names, on the state the
+# loop was given; the SuperNode's handlers); where it differs, the SuperNode serves no channel and its agent uses HTTP
+CHANNEL_SOURCE = {
+    "flwr.supercore.routers.runtime.router.acquire_task": "dd75481efa7c4a7c",
+    "flwr.supercore.routers.runtime.router.send_task_heartbeat": "1fbc6b7c7adf54a8",
+    "flwr.supercore.routers.runtime.router.pull_task_input": "98df14ede0e65f3c",
+    "flwr.supercore.routers.runtime.router.push_task_output": "f5e0b85db1077c26",
+    "flwr.supercore.routers.runtime.router.push_object": "cea29ed48616b5b5",
+    "flwr.supercore.routers.runtime.router.pull_object": "fa0eb2697dd47c36",
+    "flwr.supercore.routers.runtime.router.confirm_message_received": "29d84ee73caa8c5e",
+    "flwr.supercore.routers.runtime.router.push_messages": "195c0dab8d020cdc",
+    "flwr.supercore.routers.runtime.router.pull_messages": "ef2d4efa53226888",
+    "flwr.supercore.dependencies.task.authenticate_task": "7b4c0c58ea91353a",
+    "flwr.supercore.dependencies.runtime.get_runtime_state": "4f4a1ca5e8a53c4d",
+    "flwr.supernode.main.create_app": "f7215c8a9ef9279f",  # the SuperNode's handlers are the router's
+    "flwr.supernode.cli.flower_supernode.flower_supernode": "e263e10452076b00",  # one state factory, both ends
+    "flwr.supernode.nodestate.nodestate_factory.NodeStateFactory.state": "b1cb8f79bedddcb0",  # one state
 }
 
 # how the ServerApp's grid pulls replies, which contract.transport.pull_replies does with different nodes' replies

@@ -20,6 +20,7 @@ from contract.errors import EdgeflError, PeerError
 from ml.catalog import DATASET_KINDS, PARTITIONS, ModelError, check_model_for, resolve_model
 from strategies.codecs import CodecSpec, parse_codec
 from strategies.registry import app_of, mean_only, parse_strategy
+from strategies.rounds import pipeline_window
 from strategies.sampling import Sampler, parse_clients_per_round
 from strategies.spec import Spec, label, parse_aggregate, parse_spec
 from strategies.strategy import StrategySettings
@@ -171,6 +172,12 @@ class ClientJob:
 
     def sampler(self) -> Sampler:
         return Sampler(self.seed, self.clients, self.clients_per_round)
+
+    @property
+    def window(self) -> int:
+        """Messages the server keeps in flight at each device of this run (``strategies.rounds.pipeline_window``)."""
+        spec = self.strategy_spec
+        return pipeline_window(spec.delay, spec.buffer, self.sampler().everyone)
 
     @property
     def local_momentum(self) -> float:

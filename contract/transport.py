@@ -15,7 +15,11 @@ And one change of order: Flower's SuperNode pulls one message, then waits until 
 before it pulls the next — one message in flight per node. edgefl's SuperNode pulls every message queued for it
 and pushes each reply as soon as it exists (``_Pipeline``), so the agent holds several messages at once and
 answers each when it has an update ready (``edge.agent``): DGA's updates leave as they are trained, not in
-bundles behind one message.
+bundles behind one message. Where its agent talks to it over the device's channel (``fl_client.channel``), the
+loop and the agent tell each other what happened instead of looking (``NodeSignals``): a stored message wakes the
+agent's claim, a reply the agent hands over wakes the push, and while the agent holds every message the server
+keeps at it (``contract.settings.ClientJob.window``) the loop asks the SuperLink for another only every
+``SLOW_POLL_S``.
 
 The SuperNode (``python -m fl_client.supernode``) and edgefl's ServerApp call ``tune()`` before Flower moves a
 message. It changes nothing unless the installed flwr is one of ``contract.flower.FLWR_CHECKED`` and the source of
@@ -45,6 +49,7 @@ import functools
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +70,9 @@ SIMULATION = "simulation"  # Flower's Simulation Engine carries messages in memo
 
 IDLE_POLL_S = (0.01, 0.25)  # a SuperNode's next pull after an empty one: 10 ms after a message, backing off to
 # 250 ms. An empty pull costs the SuperLink ~5 ms of CPU: a fixed short poll would cost a core on a small host.
-REPLY_POLL_S = 0.005  # the SuperNode checks its own in-memory state for the reply
+REPLY_POLL_S = 0.005  # the SuperNode checks its own in-memory state for the reply (an agent over HTTP tells it nothing)
+SLOW_POLL_S = 1.0  # the SuperNode's poll while its agent holds every message the server keeps at it: only a message
+# the agent does not wait for (a new run, a round closed at its deadline without it) comes then
 RETRY_BACKOFF_S = (0.01, 0.05)  # first retry, then doubling up to the cap: a doubling up to 10 s overshoots an
 # upload that takes seconds over a slow link by up to as long again
 PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was listed is given up as lost (stock: the
@@ -212,6 +219,56 @@ class _IdleBackoff:
         self.grow()
 
 
+class NodeSignals:
+    """What a device's SuperNode loop (``_Pipeline``) and its agent's channel (``fl_client.channel``) tell each other
+    in the SuperNode's process: how many messages were stored (their tasks may be claimed) and how many replies the
+    agent handed over (the loop may push them), counts a waiter compares with what it saw, and how many more messages
+    the agent takes now (``wanted``: the loop polls the SuperLink fast while it takes one). ``state``: the
+    SuperNode's NodeState, once its loop has started. ``told``: an agent talks over the channel, so replies are
+    told; without one the loop looks for them every ``REPLY_POLL_S``, as before."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self.state: Any = None
+        self.stored = 0
+        self.replies = 0
+        self.wanted = 1
+        self.told = False
+
+    def _bump(self, **changes: Any) -> None:
+        with self._changed:
+            for name, value in changes.items():
+                setattr(self, name, value)
+            self._changed.notify_all()
+
+    def attach(self, state: Any) -> None:
+        if self.state is None:
+            self._bump(state=state)
+
+    def message_stored(self) -> None:
+        self._bump(stored=self.stored + 1)
+
+    def reply_stored(self) -> None:
+        self._bump(replies=self.replies + 1, told=True)
+
+    def want(self, count: int) -> None:
+        self._bump(wanted=count, told=True)
+
+    def wants(self) -> bool:
+        return self.wanted > 0
+
+    def replied_since(self, seen: int) -> bool:
+        return self.replies != seen
+
+    def stored_since(self, seen: int) -> bool:
+        return self.stored != seen
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Until ``predicate()`` holds (checked at each signal) or ``timeout_s`` has passed; whether it holds."""
+        with self._changed:
+            return self._changed.wait_for(predicate, max(timeout_s, 0.0))
+
+
 class _Prefetched:
     """A NodeState whose reply listing was already taken: ``_Pipeline`` lists the replies first (listing marks
     them taken) and hands Flower's ``_push_messages`` the same list, so that it never waits for one."""
@@ -228,22 +285,44 @@ class _Prefetched:
 
 class _Pipeline:
     """The SuperNode's loop (``start_client_internal``: pull a message, then ``_push_messages``, which waits for
-    its reply) made to pull and push independently: the pull reports a message even when there was none, so
-    the loop always goes on to the push; the push sends the replies that exist and returns; after a pull that
-    found nothing it first waits up to the idle poll for a reply, looking every ``REPLY_POLL_S``."""
+    its reply) made to pull and push independently. The pull reports a message even when there was none, so the
+    loop always goes on to its push, and tells the agent's channel of each message it stored.
 
-    def __init__(self, pull: Callable[..., int | None], push: Callable[..., None], idle: _IdleBackoff) -> None:
-        self._pull, self._push, self._idle = pull, push, idle
+    Where the agent talks over the channel (``NodeSignals.told``), replies go out on a thread of their own as soon
+    as the agent hands one over (``_push_forever``): a reply never waits behind a message being pulled, nor a message
+    behind a reply being pushed, as DGA's overlap. The loop's push is then only its wait before the next pull: none
+    after a message, the idle poll otherwise, and ``SLOW_POLL_S`` while the agent wants no message (until it comes to
+    want one). Without the channel, the push sends the replies that exist and returns; after a pull that found
+    nothing it first waits for one up to the idle poll, looking every ``REPLY_POLL_S``."""
+
+    def __init__(
+        self, pull: Callable[..., int | None], push: Callable[..., None], idle: _IdleBackoff, signals: NodeSignals
+    ) -> None:
+        self._pull, self._push, self._idle, self._signals = pull, push, idle, signals
         self._pulled = False
+        self._pusher: threading.Thread | None = None
 
     def pull(self, *args: Any, **kwargs: Any) -> int:
+        self._signals.attach(kwargs.get("state"))
         run_id = self._pull(*args, **kwargs)
         self._pulled = run_id is not None
         if self._pulled:
             self._idle.received()
+            self._signals.message_stored()
         return NO_RUN if run_id is None else run_id
 
     def push(self, *, state: Any, object_store: Any, send: Any, push_object: Any) -> None:
+        if not self._signals.told:
+            self._push_ready(state, object_store, send, push_object)
+            return
+        if self._pusher is None:
+            self._pusher = threading.Thread(
+                target=self._push_forever, args=(state, object_store, send, push_object), daemon=True, name="push"
+            )
+            self._pusher.start()
+        self._wait_to_pull()
+
+    def _push_ready(self, state: Any, object_store: Any, send: Any, push_object: Any) -> None:
         deadline = time.monotonic() + (0.0 if self._pulled else self._idle.delay)
         while not (replies := list(state.get_messages_legacy(is_reply=True))):
             if time.monotonic() >= deadline:
@@ -253,6 +332,33 @@ class _Pipeline:
             time.sleep(REPLY_POLL_S)
         self._push(state=_Prefetched(state, replies), object_store=object_store, send=send, push_object=push_object)
         self._idle.received()
+
+    def _wait_to_pull(self) -> None:
+        signals = self._signals
+        if self._pulled:
+            return
+        if signals.wanted > 0:
+            time.sleep(self._idle.delay)
+            self._idle.grow()
+        else:
+            signals.wait_for(signals.wants, SLOW_POLL_S)
+
+    def _push_forever(self, state: Any, object_store: Any, send: Any, push_object: Any) -> None:
+        """Push each reply the agent hands over, as soon as it does (Flower's ``_push_messages``, handed the replies
+        listed, so that it never waits for one)."""
+        signals = self._signals
+        while True:
+            seen = signals.replies  # before looking: a reply handed over meanwhile is news to the wait
+            try:
+                if replies := list(state.get_messages_legacy(is_reply=True)):
+                    self._push(
+                        state=_Prefetched(state, replies), object_store=object_store, send=send, push_object=push_object
+                    )
+                    self._idle.received()
+                    continue
+            except Exception:  # Flower's push logs each message's failure itself; anything else is said here
+                log.exception("edgefl: pushing the SuperNode's replies failed; going on")
+            signals.wait_for(functools.partial(signals.replied_since, seen), SLOW_POLL_S)
 
 
 class _TunedClock:
@@ -276,12 +382,12 @@ def _set_defaults(function: Callable[..., Any], **defaults: float) -> None:
     function.__kwdefaults__.update(defaults)  # type: ignore[union-attr]
 
 
-def _apply() -> None:
+def _apply(signals: NodeSignals) -> None:
     from contract.flower import inflatable_utils
     from contract.flower import supernode_loop as loop
 
     idle = _IdleBackoff()
-    pipeline = _Pipeline(loop._pull_and_store_message, loop._push_messages, idle)
+    pipeline = _Pipeline(loop._pull_and_store_message, loop._push_messages, idle, signals)
     loop.time = _TunedClock(idle)  # type: ignore[attr-defined]
     loop._pull_and_store_message = pipeline.pull  # type: ignore[attr-defined]
     loop._push_messages = pipeline.push  # type: ignore[attr-defined]
@@ -296,13 +402,14 @@ def _apply() -> None:
     inflatable_utils.get_num_workers = lambda max_concurrent: max_concurrent  # type: ignore[assignment]
 
 
-def tune() -> str:
-    """Shorten Flower's waits in this process if the check passes; returns ``fast`` or ``stock`` (idempotent)."""
+def tune(signals: NodeSignals | None = None) -> str:
+    """Shorten Flower's waits in this process if the check passes; returns ``fast`` or ``stock`` (idempotent).
+    ``signals``: what the SuperNode's loop tells its agent's channel, and is told by it (``NodeSignals``)."""
     global _applied
     if _applied is None:
         reason = why_stock()
         if reason is None:
-            _apply()
+            _apply(signals or NodeSignals())
             _applied = FAST
         else:
             log.warning("edgefl: Flower's stock message path (%s)", reason)

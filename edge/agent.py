@@ -195,6 +195,12 @@ class EdgeAgent:
         self._trainer.start()
         self.trainer_tid: int = self._trainer.native_id or 0
 
+    def window(self) -> int:
+        """Messages the server keeps at this device for the current session's run (``ClientJob.window``; 1 before
+        any)."""
+        session = self._session
+        return session.job.window if session else 1
+
     # ----- the trainer thread -------------------------------------------------------------------------
     def _train_forever(self) -> None:
         """Train the current session's next round whenever it may start one, until ``stop``."""

@@ -135,6 +135,7 @@ def flower_env(run_dir: Path) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         RAY_USAGE_STATS_ENABLED="0",  # a simulation's Ray: no usage report sent anywhere
     )
+    env.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # Flower's processes send no usage events unless the user asks
     return env
 
 

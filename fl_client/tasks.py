@@ -11,6 +11,12 @@ nothing on a connection whose other end is not its own user's (``fl_client.runti
 Tasks are served side by side, up to ``MAX_TASKS`` at once: edgefl's SuperNode hands over every message queued
 for it (``contract.transport``), and the agent holds each until it has an update to answer it with.
 
+Where the SuperNode serves the device's channel (``fl_client.channel``: the same calls over a Unix socket, in the
+SuperNode's process) the agent uses it: a claim waits until there is a task (``WaitForTask``) instead of asking
+every 5–100 ms, and the agent tells the SuperNode how many more messages it takes now (``Wanted``: the messages the
+server keeps at it, ``window``, less those it holds unanswered), so that the SuperNode asks the SuperLink for
+another only while it takes one. Elsewhere it claims over Flower's HTTP Runtime API, as ``flwr-clientapp`` does.
+
 A task whose message this process has pulled is kept on disk (``HeldTask``, one file per task in the held-tasks
 folder) until it is finished: an agent that died holding some (kill -9, out of memory, a power cut of the agent's
 container) and is restarted beside the same SuperNode answers them with an error as soon as it is back, so the
@@ -21,12 +27,14 @@ agent killed between the push and the mark, Flower's SuperLink refuses a second 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +81,7 @@ from contract.flower import (
     set_message_id,
 )
 from contract.transport import CONCURRENCY, RETRY_BACKOFF_S
+from fl_client.channel import ChannelClient, RuntimeRefused
 from fl_client.runtime_owner import NotOurSuperNode, OwnSuperNodeOnly
 
 log = logging.getLogger("edgefl.tasks")
@@ -88,6 +97,9 @@ RESENDS = 5  # tries of a request whose kept-alive connection the SuperNode clos
 RESEND_S = 0.05
 RESENT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
 ABANDONED = "the agent restarted while serving this message"
+CLAIM_WAIT_S = 1.0  # a claim over the channel waits this long for a task, then the loop looks at its stop
+GONE = (httpx.TransportError, ConnectionError)  # the SuperNode is not (yet, or no longer) up: HTTP, or the channel
+REFUSED = (httpx.HTTPStatusError, RuntimeRefused)  # the SuperNode refused a call (HTTP, or the channel)
 
 
 class MissingTaskInput(PeerError, RuntimeError):
@@ -171,53 +183,68 @@ class TaskServer:
         this serves tasks as (``contract.flower.RUNTIME_SOURCE``): there is no stock client to fall back to."""
         refuse_unless_runtime_api()
         self.address = address
+        self.port = int(address.rsplit(":", 1)[1])
         self.app = app
         self.held_dir = held_dir
+        self.window: Callable[[], int] = lambda: 1  # messages the server keeps at this device (EdgeAgent.window)
         interceptors = [OwnSuperNodeOnly(), RuntimeVersionHttpInterceptor(component_name=COMPONENT)]
         if secret:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE}))
-        self._claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
+        self._http_claims = RuntimeHttpClient.from_server_address(address, True, None, interceptors)
+        self._channel: ChannelClient | None = None  # claims over the channel, once it answered
+        self._hints: ChannelClient | None = None
         self._serving = threading.BoundedSemaphore(MAX_TASKS)
+        self._held = 0  # tasks claimed and not yet answered
+        self._told: int | None = None  # what the SuperNode was last told the agent wants
+        self._holding = threading.Lock()
 
     def serve(self, stop: threading.Event) -> None:
         """Serve until ``stop``: first the tasks a previous agent held, then every task claimed; a SuperNode that
         is not (yet) up, or a port held by another user's process, is retried every ``RECONNECT_S``."""
         delay, state, abandoned = POLL_S[0], "", self.held_dir is not None
-        while not stop.is_set():
-            try:
-                if abandoned:
-                    self.answer_abandoned()
-                    abandoned = False
-                claimed = self.claim_one()
-            except NotOurSuperNode as exc:
-                if state != "refused":
-                    log.error("%s; waiting for this device's SuperNode", exc)
-                state = "refused"
-                stop.wait(RECONNECT_S)
-                continue
-            except httpx.TransportError as exc:
-                if state != "down":
-                    log.warning("no SuperNode at %s (%s); retrying every %.1f s", self.address, exc, RECONNECT_S)
-                state = "down"
-                stop.wait(RECONNECT_S)
-                continue
-            except httpx.HTTPStatusError as exc:
-                log.warning("the SuperNode refused a claim (%s); going on", exc)
-                claimed = False
-            if state != "up":
-                log.info("serving the tasks of the SuperNode at %s", self.address)
-                state = "up"
-            delay = POLL_S[0] if claimed else min(delay * 1.5, POLL_S[1])
-            if not claimed:
-                stop.wait(delay)
+        try:
+            while not stop.is_set():
+                try:
+                    if abandoned:
+                        self.answer_abandoned()
+                        abandoned = False
+                    claimed = self.claim_one()
+                except NotOurSuperNode as exc:
+                    if state != "refused":
+                        log.error("%s; waiting for this device's SuperNode", exc)
+                    state = "refused"
+                    self._drop_channel()
+                    stop.wait(RECONNECT_S)
+                    continue
+                except GONE as exc:
+                    if state != "down":
+                        log.warning("no SuperNode at %s (%s); retrying every %.1f s", self.address, exc, RECONNECT_S)
+                    state = "down"
+                    self._drop_channel()
+                    stop.wait(RECONNECT_S)
+                    continue
+                except REFUSED as exc:
+                    log.warning("the SuperNode refused a claim (%s); going on", exc)
+                    claimed = False
+                if state != "up":
+                    way = "over the device's channel" if self._channel else "over its HTTP Runtime API"
+                    log.info("serving the tasks of the SuperNode at %s %s", self.address, way)
+                    state = "up"
+                delay = POLL_S[0] if claimed else min(delay * 1.5, POLL_S[1])
+                if not claimed and self._channel is None:  # a channel's claim waited for a task itself
+                    stop.wait(delay)
+        finally:
+            self._drop_channel()
 
     def claim_one(self) -> bool:
         """Claim one pending task and serve it in a thread of its own; False when there was none to claim, or
-        ``MAX_TASKS`` are being served."""
-        if not self._serving.acquire(blocking=False):
+        ``MAX_TASKS`` are being served. Over the channel it waits for a task, or a place, up to ``CLAIM_WAIT_S``."""
+        channel = self._claims()
+        if not (self._serving.acquire(timeout=CLAIM_WAIT_S) if channel else self._serving.acquire(blocking=False)):
             return False
         try:
-            claim = self._claims.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+            request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
+            claim = channel.WaitForTask(request, CLAIM_WAIT_S) if channel else self._http_claims.AcquireTask(request)
         except BaseException:
             self._serving.release()
             raise
@@ -225,34 +252,78 @@ class TaskServer:
             self._serving.release()
             return False
         claimed = time.monotonic()
+        self._hold(+1)
         log.info("claimed task %d", claim.task.task_id)
         args = (claim.task.task_id, claim.token, claimed)
         threading.Thread(target=self.serve_claimed, args=args, daemon=True, name=f"task-{claim.task.task_id}").start()
         return True
 
+    def _claims(self) -> ChannelClient | None:
+        """The channel to claim over, connected (and the SuperNode told what the agent wants) once it answers; None
+        when the SuperNode serves none: claims go over HTTP."""
+        if self._channel is None:
+            try:
+                channel, hints = ChannelClient(self.port), ChannelClient(self.port)
+            except (ConnectionRefusedError, FileNotFoundError):
+                return None
+            self._channel, self._hints, self._told = channel, hints, None
+            self.tell_wanted()
+        return self._channel
+
+    def _drop_channel(self) -> None:
+        for client in (self._channel, self._hints):
+            if client is not None:
+                client.close()
+        self._channel = self._hints = None
+
+    def _hold(self, change: int) -> None:
+        with self._holding:
+            self._held += change
+        self.tell_wanted()
+
+    def tell_wanted(self) -> None:
+        """Tell the SuperNode, over the channel, how many more messages the agent takes now: the messages the server
+        keeps at this device less those it holds unanswered (once per change)."""
+        with self._holding:
+            wanted, hints = max(self.window() - self._held, 0), self._hints
+            if hints is None or wanted == self._told:
+                return
+            self._told = wanted
+            try:
+                hints.Wanted(wanted)
+            except GONE:  # the SuperNode is gone: the serving loop finds out and connects again
+                self._told = None
+
     def serve_claimed(self, task_id: int, token: str, claimed: float) -> None:
         """Serve the claimed task ``task_id`` to its end: its message in, the app, the reply out."""
-        client = self._task_client(token)
+        try:
+            client = self._task_client(token)
+        except GONE as exc:
+            log.warning("task %d: the SuperNode went away (%s)", task_id, exc)
+            self._hold(-1)
+            self._serving.release()
+            return
         heartbeat = HeartbeatSender(lambda: _heartbeat(client, task_id))
         heartbeat.start()
         try:
             self._serve(client, task_id, token, claimed)
-        except httpx.TransportError as exc:
+        except GONE as exc:
             log.warning("task %d: the SuperNode went away (%s)", task_id, exc)
-        except httpx.HTTPStatusError as exc:  # e.g. a task whose SuperNode restarted meanwhile: it is gone
+        except REFUSED as exc:  # e.g. a task whose SuperNode restarted meanwhile: it is gone
             log.warning("task %d: the SuperNode refused a request (%s)", task_id, exc)
         finally:
             heartbeat.stop()
             client.close()
             if self.held_dir:  # kept only by an agent that dies serving the task
                 HeldTask.path(self.held_dir, task_id).unlink(missing_ok=True)
+            self._hold(-1)
             self._serving.release()
 
     def answer_abandoned_if_up(self) -> None:
         """``answer_abandoned`` now if this device's SuperNode answers; otherwise ``serve`` does once it is up."""
         try:
             self.answer_abandoned()
-        except (httpx.TransportError, NotOurSuperNode) as exc:
+        except GONE as exc:  # NotOurSuperNode too
             log.info("the held tasks are answered once the SuperNode is up (%s)", exc)
 
     def answer_abandoned(self) -> None:
@@ -272,18 +343,21 @@ class TaskServer:
                         _push_reply(client, Message(error, reply_to=held.message))
                         _push_output(client, None, SubStatus.FAILED, ABANDONED)
                         log.warning("answered task %d, which the previous agent held: %s", held.task_id, ABANDONED)
-                except httpx.HTTPStatusError as exc:
+                except REFUSED as exc:
                     log.warning("the SuperNode no longer holds task %d of the previous agent (%s)", held.task_id, exc)
                 finally:
                     client.close()
             record.unlink(missing_ok=True)
 
-    def _task_client(self, token: str) -> RuntimeHttpClient:
-        """A Runtime API client for the task that ``token`` claims. A held task's pooled connection may sit idle
+    def _task_client(self, token: str) -> RuntimeHttpClient | ChannelClient:
+        """A client for the task that ``token`` claims: over the channel where the SuperNode serves one, otherwise
+        over its HTTP Runtime API. A held task's pooled HTTP connection may sit idle
         past the SuperNode's keep-alive (5 s) and be closed just as the reply goes out on it ("disconnected without
         sending a response", or reset): such a request is sent again on a new connection, as Flower's SuperNode
         resends its own (``flwr.supercore.retry``); a reply half-pushed would otherwise hold the SuperNode, which
         waits for its objects, forever."""
+        with contextlib.suppress(ConnectionRefusedError, FileNotFoundError):
+            return ChannelClient(self.port, token)
         return RuntimeHttpClient.from_server_address(
             self.address, True, None,
             [OwnSuperNodeOnly(), RuntimeVersionHttpInterceptor(component_name=COMPONENT),
@@ -291,7 +365,7 @@ class TaskServer:
             retry_invoker=RetryInvoker(lambda: constant(RESEND_S), RESENT, RESENDS, None, jitter=None),
         )  # fmt: skip
 
-    def _serve(self, client: RuntimeHttpClient, task_id: int, token: str, claimed: float) -> None:
+    def _serve(self, client: RuntimeHttpClient | ChannelClient, task_id: int, token: str, claimed: float) -> None:
         message = context = None
         status, details = SubStatus.FAILED, "the ClientApp failed"
         try:
@@ -319,19 +393,19 @@ class TaskServer:
         log.info(TaskTiming(message.metadata.message_id, claimed, pulled, answered, time.monotonic()).log_line())
 
 
-def _heartbeat(client: RuntimeHttpClient, task_id: int) -> bool:
+def _heartbeat(client: RuntimeHttpClient | ChannelClient, task_id: int) -> bool:
     """One task heartbeat; a refused one (the task expired) is logged, not turned into SIGINT as Flower's is."""
     try:
         if not client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success:
             log.warning("the SuperNode no longer holds task %d", task_id)
-    except httpx.TransportError:
+    except GONE:
         return False
-    except httpx.HTTPStatusError as exc:
+    except REFUSED as exc:
         log.warning("the SuperNode refused the heartbeat of task %d (%s)", task_id, exc)
     return True
 
 
-def _pull_input(client: RuntimeHttpClient) -> tuple[Message, Context]:
+def _pull_input(client: RuntimeHttpClient | ChannelClient) -> tuple[Message, Context]:
     """The task's message and context, as ``flwr-clientapp`` pulls them but with edgefl's retry backoff: the
     objects may still be on their way from the SuperLink."""
     res = client.PullTaskInput(PullTaskInputRequest())
@@ -357,7 +431,7 @@ def _pull_input(client: RuntimeHttpClient) -> tuple[Message, Context]:
     return message, context
 
 
-def _push_reply(client: RuntimeHttpClient, reply: Message) -> None:
+def _push_reply(client: RuntimeHttpClient | ChannelClient, reply: Message) -> None:
     """The reply and its objects to the SuperNode; each object is serialized for its id once and once to send."""
     node, run_id = Node(node_id=reply.metadata.src_node_id), reply.metadata.run_id
     with no_object_id_recompute():
@@ -377,7 +451,7 @@ def _push_reply(client: RuntimeHttpClient, reply: Message) -> None:
         )
 
 
-def _push_output(client: RuntimeHttpClient, context: Context | None, status: str, details: str) -> None:
+def _push_output(client: RuntimeHttpClient | ChannelClient, context: Context | None, status: str, details: str) -> None:
     client.PushTaskOutput(
         PushTaskOutputRequest(
             context=context_to_proto(context) if context else None, sub_status=status, details=details

@@ -81,7 +81,6 @@ from strategies.rounds import (
     Request,
     RoundEngine,
     Update,
-    pipeline_window,
 )
 from strategies.strategy import ServerHalf, ServerSetup
 from strategies.validation import NormOutlierFilter
@@ -570,7 +569,7 @@ class ServerLoop:
             momentum=self.state.momentum,
             sampler=job.sampler(),
             strategy=self.strategy,
-            window=pipeline_window(self.strategy.delay, self.strategy.buffer, job.sampler().everyone),
+            window=job.window,
             partition_sizes=self.members.sizes,
         )
         self.wall_offset_s = start.wall_s

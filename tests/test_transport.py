@@ -146,44 +146,99 @@ def test_an_idle_supernode_backs_off_and_a_message_resets_its_poll(monkeypatch) 
     assert slept[-2:] == [transport.REPLY_POLL_S, 0.2]
 
 
-def test_the_pipelined_supernode_pulls_and_pushes_independently(monkeypatch) -> None:
-    """Flower's loop pulls one message, then waits for its reply. Tuned, a pull that finds nothing still lets the
-    loop go on to the push; the push sends the replies there are (handing Flower's ``_push_messages`` the list it
-    took, so it never waits) and otherwise waits at most the idle poll — none right after a message came."""
+class _State:
+    """Flower's NodeState as the pipeline uses it: replies, each listed once; counts how often it was looked at."""
+
+    def __init__(self) -> None:
+        self.replies: list[str] = []
+        self.looked = 0
+        self.looked_at = threading.Event()
+
+    def get_messages_legacy(self, *, is_reply: bool) -> list[str]:
+        assert is_reply
+        self.looked += 1
+        self.looked_at.set()
+        taken, self.replies = self.replies, []
+        return taken
+
+
+class _Pushed(list):
+    """The replies handed to Flower's ``_push_messages``, each call's list; ``done`` is set at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = threading.Event()
+
+
+def _pipeline(pulled: list[int | None], signals=None):
+    """A pipeline over a scripted pull (``pulled``, in order) and Flower's ``_push_messages`` (what it was handed is
+    kept in the returned list), with its state's keyword arguments."""
     import contract.transport as transport
 
-    slept: list[float] = []
-    monkeypatch.setattr(transport.time, "sleep", slept.append)
-    pulled: list[int | None] = [None, 5]
-    pushed: list[list[str]] = []
-
-    class State:
-        def __init__(self) -> None:
-            self.replies: list[str] = []
-
-        def get_messages_legacy(self, *, is_reply: bool) -> list[str]:
-            assert is_reply
-            taken, self.replies = self.replies, []
-            return taken
+    pushed = _Pushed()
 
     def push(*, state, object_store, send, push_object) -> None:  # Flower's _push_messages, which waits for one
         pushed.append(list(state.get_messages_legacy(is_reply=True)))
+        pushed.done.set()
 
+    state = _State()
     idle = transport._IdleBackoff()
-    pipeline = transport._Pipeline(lambda **_: pulled.pop(0), push, idle)
-    state = State()
+    pipeline = transport._Pipeline(lambda **_: pulled.pop(0), push, idle, signals or transport.NodeSignals())
     kwargs = {"state": state, "object_store": None, "send": None, "push_object": None}
-    assert pipeline.pull() == transport.NO_RUN  # nothing pulled: the loop goes on to push
-    pipeline.push(**kwargs)  # no reply: it looked for one every REPLY_POLL_S up to the idle poll, then backs off
-    assert pushed == [] and slept and set(slept) == {transport.REPLY_POLL_S}
+    return pipeline, idle, state, pushed, kwargs
+
+
+def test_the_pipelined_supernode_pulls_and_pushes_independently() -> None:
+    """Flower's loop pulls one message, then waits for its reply. Tuned, a pull that finds nothing still lets the
+    loop go on to the push; the push sends the replies there are (handing Flower's ``_push_messages`` the list it
+    took, so it never waits) and otherwise waits at most the idle poll — none right after a message came. With no
+    agent on the channel to tell it of a reply, it looks at its state every REPLY_POLL_S meanwhile."""
+    import contract.transport as transport
+
+    pipeline, idle, state, pushed, kwargs = _pipeline([None, 5])
+    assert pipeline.pull(state=state) == transport.NO_RUN  # nothing pulled: the loop goes on to push
+    started = time.monotonic()
+    pipeline.push(**kwargs)  # no reply: it looked for one up to the idle poll, then backs off
+    assert pushed == [] and state.looked >= 2 and time.monotonic() - started >= IDLE_POLL_S[0]
     assert idle.delay > IDLE_POLL_S[0]
-    assert pipeline.pull() == 5  # a message: no idle wait before pushing what there is
-    slept.clear()
+    assert pipeline.pull(state=state) == 5  # a message: no idle wait before pushing what there is
+    looked = state.looked
     pipeline.push(**kwargs)
-    assert pushed == [] and slept == []
+    assert pushed == [] and state.looked == looked + 1
     state.replies = ["reply-1", "reply-2"]
     pipeline.push(**kwargs)
     assert pushed == [["reply-1", "reply-2"]] and idle.delay == IDLE_POLL_S[0]
+
+
+def test_over_the_channel_replies_go_out_at_once_and_a_full_agent_is_polled_for_slowly() -> None:
+    """Over the channel the agent tells the SuperNode what happened: a reply it hands over goes out at once on the
+    pusher's thread, whatever the loop is doing (here: waiting to poll); while the agent wants no message (it holds
+    all the server keeps at it) the loop waits up to SLOW_POLL_S before it polls the SuperLink, and goes on at once
+    when the agent comes to want one."""
+    import contract.transport as transport
+
+    signals = transport.NodeSignals()
+    pipeline, _, state, pushed, kwargs = _pipeline([None, None], signals)
+    signals.want(0)
+    assert pipeline.pull(state=state) == transport.NO_RUN and signals.state is state
+    came = threading.Event()
+
+    def hand_over_then_want() -> None:
+        state.looked_at.wait(10)  # the pusher looked, found nothing, and waits
+        state.replies = ["reply"]
+        signals.reply_stored()
+        if pushed.done.wait(10):
+            came.set()
+        signals.want(1)
+
+    helper = threading.Thread(target=hand_over_then_want)
+    helper.start()
+    started = time.monotonic()
+    pipeline.push(**kwargs)  # the loop's wait before its next pull
+    waited = time.monotonic() - started
+    helper.join()
+    assert came.is_set() and pushed == [["reply"]]  # pushed while the loop was waiting
+    assert waited < transport.SLOW_POLL_S  # the loop went on as soon as the agent wanted a message
 
 
 def _reply(node_id: int, value: float) -> tuple[Message, dict[str, bytes], MessageProto, ObjectTree]:
