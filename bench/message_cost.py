@@ -1,21 +1,29 @@
 """Where an emulated Pi's message time goes: the CPU a message cycle costs the device's messaging cores, and
-DGA's message path against FedAvg's on the same link.
+DGA's message path and rounds against FedAvg's on the same link, where the main job and the headline run.
 
-First, FedAvg over lan on four emulated Raspberry Pi 4s (the CNN on Fashion-MNIST, K = 5): the CPU time of each
-device's two messaging cores (its SuperNode, and the agent's threads other than training: its cgroups'
-``supernode`` and ``agent``, read per thread every ``SAMPLE_S``) over the run, per message cycle, in seconds of
-this host's core and of a Pi core (host seconds / the messaging share, ``contract.devices``); idle polling is
-included, as a device pays it. With ``py-spy`` installed, one device's SuperNode and agent are sampled for the
-run and their samples sorted by what they were doing (``WHERE``: the Fleet requests, the Runtime API between
-agent and SuperNode, the SuperNode's loop, the ClientApp). Then FedAvg and DGA:2 over each link: the median
-message path R of each (``messages.jsonl``), a round's training T, DGA's path over FedAvg's, and DGA's rounds per
-second over FedAvg's against what the link allows, min(1 + R/T, D + 1) with FedAvg's R and T.
+First, FedAvg over lan on four emulated Raspberry Pi 4s (the CNN on Fashion-MNIST, K = 5, ``--rounds`` rounds): the
+CPU time of each device's two messaging cores (its SuperNode, and the agent's threads other than training: its
+cgroups' ``supernode`` and ``agent``, read per thread every ``SAMPLE_S``) per message cycle, in seconds of this host's
+core and of a Pi core (host seconds / the messaging share, ``contract.devices``); idle polling is included, as a
+device pays it. Two windows: the run's steady state (each device from its third message to its last reply: the
+first messages carry a run's fixed costs, the node's first contact with the run, its app, the session) and the whole
+run. With ``py-spy`` installed, one device's SuperNode and agent are sampled and their samples sorted by what they
+were doing (``WHERE``).
 
-    python bench/message_cost.py [--links lan,home-wifi,long-distance] [--rounds 12] [--out runs/bench-message-cost]
+Then each case's FedAvg against DGA over each of its links (``CASES``: the main job's, ``edgefl compare``'s settings
+over home-wifi and long-distance with D = 2, and the headline's, ``bench/dga_vs_fedavg.py``'s over lan and
+long-distance with D = 4; ``--link-rounds`` rounds each): the median message path R of each (``messages.jsonl``), a
+round's training T, DGA's path over FedAvg's, and DGA's rounds per second over FedAvg's (from the third round on)
+against what the link allows, min(1 + R/T, D + 1) with FedAvg's R and T.
 
-result.json: ``pi_core_s_per_cycle`` (both messaging cores, the median over devices), ``host_core_s_per_cycle``,
-``per_process`` (SuperNode and agent), ``profile`` (py-spy's top functions, where it ran) and per link
-``fedavg_path_s``, ``dga_path_s``, ``dga_path_ratio``, ``round_train_s``, ``dga_round_efficiency``.
+    python bench/message_cost.py [--rounds 12] [--link-rounds 10] [--cases main,headline] [--cost-only]
+        [--out runs/bench-message-cost]
+
+result.json: ``pi_core_s_per_cycle`` (both messaging cores, steady state, the median over devices),
+``host_core_s_per_cycle``, ``whole_run`` (the same over the whole run), ``per_process`` (SuperNode and agent),
+``profile`` (py-spy's shares, where it ran), and per case and link (``cases``) ``fedavg_path_s``, ``dga_path_s``,
+``dga_path_ratio``, ``round_train_s``, ``dga_speedup_per_round``, ``allowed_speedup``, ``dga_round_efficiency``;
+``targets``: each aim and whether it is met.
 """
 
 from __future__ import annotations
@@ -32,12 +40,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dga_vs_fedavg import HEADLINE, HEADLINE_DELAY
 from results import write_result
 
 from contract.devices import device_profile
-from contract.run_folder import MESSAGES, read_rounds
+from contract.run_folder import MESSAGES, ROUNDS, read_rounds
 from contract.settings import build_config
 from edge.devices import cpu_hierarchy
+from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES
+from edgefl.compare import DEFAULTS as MAIN_JOB
 from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run
@@ -46,7 +57,17 @@ SAMPLE_S = 0.2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SETTINGS = {"dataset": "fashion-mnist", "partition": "dirichlet:0.3", "model": "cnn", "clients": 4,
             "local_steps": 5, "device_profile": "rpi4", "eval_every": 1000, "eval_examples": 500}  # fmt: skip
-DGA = "dga:2"
+NOT_TIMED = {"eval_every": 1000, "eval_examples": 500}  # no evaluation between rounds: the path is measured
+CASES = {  # name -> (settings, DGA, links)
+    "main": (
+        {k: v for k, v in MAIN_JOB.items() if k not in ("rounds", "out")},
+        DEFAULT_STRATEGIES[1],
+        DEFAULT_PROFILES,
+    ),
+    "headline": (HEADLINE, f"dga:{HEADLINE_DELAY}", ("lan", "long-distance")),
+}
+SKIPPED = 2  # a device's first messages (its first contact with the run), and a run's first rounds: fixed costs
+AIM_PI_CORE_S, AIM_PATH_RATIO, AIM_EFFICIENCY = 0.3, 1.2, 0.9
 
 
 class RoleCpu:
@@ -55,6 +76,7 @@ class RoleCpu:
 
     def __init__(self) -> None:
         self.seen: dict[tuple[str, str, int], float] = {}  # (device, role, thread) → its CPU seconds so far
+        self.history: list[tuple[float, dict[tuple[str, str], float]]] = []  # (when, (device, role) → CPU s)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.pids: dict[tuple[str, str], set[int]] = collections.defaultdict(set)  # (device, role) → processes
@@ -78,12 +100,19 @@ class RoleCpu:
                         cpu = _thread_cpu_s(tid)
                         if cpu is not None:
                             self.seen[device.name, role, tid] = cpu
+            totals: dict[tuple[str, str], float] = collections.defaultdict(float)
+            for (device, role, _), cpu in self.seen.items():
+                totals[device, role] += cpu
+            self.history.append((time.monotonic(), dict(totals)))
 
-    def per_device(self) -> dict[str, dict[str, float]]:
-        totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
-        for (device, role, _), cpu in self.seen.items():
-            totals[device][role] += cpu
-        return {device: dict(roles) for device, roles in totals.items()}
+    def at(self, when: float) -> dict[tuple[str, str], float]:
+        """The CPU seconds of each (device, role) as last sampled at or before ``when`` (none: nothing yet)."""
+        found: dict[tuple[str, str], float] = {}
+        for sampled, totals in self.history:
+            if sampled > when:
+                break
+            found = totals
+        return found
 
 
 def _ints(path: Path) -> list[int]:
@@ -142,57 +171,105 @@ def _top_functions(raw: Path) -> list[tuple[str, float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--links", default="lan,home-wifi,long-distance")
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=12, help="the measured FedAvg run's rounds")
+    parser.add_argument("--link-rounds", type=int, default=10, help="each link comparison's runs' rounds")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-message-cost"))
     parser.add_argument("--cost-only", action="store_true", help="only the message cycle's CPU, no link comparison")
     args = parser.parse_args()
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown or args.rounds < SKIPPED + 2 or args.link_rounds < SKIPPED + 2:
+        parser.error(f"--cases of {', '.join(CASES)}; at least {SKIPPED + 2} rounds (unknown: {sorted(unknown)})")
     interrupt_on_signals()
     shares = device_profile(SETTINGS["device_profile"]).shares()
     print(f"rpi4: training core {shares.train:.4f}, messaging cores {shares.message:.4f} of this host's", flush=True)
-    links: dict[str, dict[str, Any]] = {}
-    cost: dict[str, Any] = {}
-    for link in args.links.split(","):
-        summaries = {}
-        for strategy in ("fedavg",) if args.cost_only else ("fedavg", DGA):
-            out = args.out / link / strategy.replace(":", "-")
-            config = build_config(None, strategy=strategy, profile=link, rounds=args.rounds, out=str(out), **SETTINGS)
-            print(f"== {strategy} over {link}", flush=True)
-            if strategy == "fedavg" and not cost:
-                cost = measured_run(config, args.out / "profile")
-            else:
-                run(config, lambda line: print("   " + line, flush=True))
-            summaries[strategy] = (load_run(out)[0], _cycles(out))
-        if args.cost_only:
-            break
-        (fedavg, _), (dga, _) = summaries["fedavg"], summaries[DGA]
-        r, t = fedavg["message_path_s"], fedavg["round_train_s"]
-        allowed = min(1 + r / t, 2 + 1)
-        speedup = fedavg["seconds_per_round"] / dga["seconds_per_round"]
-        links[link] = {"fedavg_path_s": r, "dga_path_s": dga["message_path_s"], "round_train_s": t,
-                       "dga_path_ratio": dga["message_path_s"] / r, "dga_speedup_per_round": speedup,
-                       "allowed_speedup": allowed, "dga_round_efficiency": speedup / allowed}  # fmt: skip
-    per_cycle = cost["host_core_s_per_cycle"]
+    config = build_config(None, strategy="fedavg", profile="lan", rounds=args.rounds,
+                          out=str(args.out / "cost" / "fedavg"), **SETTINGS)  # fmt: skip
+    print("== the message cycle: fedavg over lan", flush=True)
+    cost = measured_run(config, args.out / "profile")
+    cases = {} if args.cost_only else {name: compare_case(name, args) for name in args.cases.split(",")}
+    steady = cost["steady"]
+    result = {
+        "pi_core_s_per_cycle": steady["both"] / shares.message, "host_core_s_per_cycle": steady["both"],
+        "per_process": steady["per_process"], "messaging_share": shares.message,
+        "whole_run": {"pi_core_s_per_cycle": cost["whole"]["both"] / shares.message,
+                      "host_core_s_per_cycle": cost["whole"]["both"], "per_process": cost["whole"]["per_process"]},
+        "profile": cost["profile"], "cycles": cost["cycles"], "cases": cases,
+    }  # fmt: skip
+    result["targets"] = targets(result)
     text = "\n".join([
         f"Four emulated Raspberry Pi 4s (messaging cores {shares.message:.4f} of this host's core), FedAvg over lan, "
         f"{args.rounds} rounds of {SETTINGS['local_steps']} steps (the CNN, 0.42 MB a message): the CPU of each "
-        "device's messaging cores per message cycle (idle polling included), the median over devices:",
+        "device's messaging cores per message cycle (idle polling included), the median over devices; the steady "
+        f"state is each device's messages after its first {SKIPPED}:",
         "",
-        "| process | host core s a cycle | Pi core s a cycle |",
-        "|---|---|---|",
-        *(f"| {name} | {s:.4f} | {s / shares.message:.3f} |" for name, s in cost["per_process"].items()),
-        f"| both messaging cores | {per_cycle:.4f} | {per_cycle / shares.message:.3f} |",
+        "| process | steady: host core s a cycle | steady: Pi core s | whole run: host core s | whole run: Pi core s |",
+        "|---|---|---|---|---|",
+        *(f"| {name} | {s:.4f} | {s / shares.message:.3f} | {cost['whole']['per_process'][name]:.4f} | "
+          f"{cost['whole']['per_process'][name] / shares.message:.3f} |" for name, s in steady["per_process"].items()),
+        f"| both messaging cores | {steady['both']:.4f} | {steady['both'] / shares.message:.3f} | "
+        f"{cost['whole']['both']:.4f} | {cost['whole']['both'] / shares.message:.3f} |",
         "",
         *_profile_lines(cost.get("profile", {})),
-        *_link_lines(links),
+        *_case_lines(cases),
+        *(f"- {aim}: {'met' if ok else 'NOT met'} ({value})" for aim, (ok, value) in result["targets"].items()),
     ])  # fmt: skip
-    write_result(args.out, text, {"pi_core_s_per_cycle": per_cycle / shares.message, "host_core_s_per_cycle": per_cycle,
-                                  "messaging_share": shares.message, **cost, "links": links})  # fmt: skip
+    write_result(args.out, text, result)
     return 0
 
 
+def compare_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """FedAvg against the case's DGA over each of its links: their paths, T, and DGA's round efficiency."""
+    settings, dga, links = CASES[name]
+    delay = int(dga.split(":")[1])
+    found: dict[str, Any] = {"dga": dga, "links": {}}
+    for link in links:
+        runs = {}
+        for strategy in ("fedavg", dga):
+            out = args.out / name / link / strategy.replace(":", "-")
+            config = build_config(None, strategy=strategy, profile=link, rounds=args.link_rounds, out=str(out),
+                                  **{**settings, **NOT_TIMED})  # fmt: skip
+            print(f"== {name}: {strategy} over {link}", flush=True)
+            run(config, lambda line: print("   " + line, flush=True))
+            runs[strategy] = (load_run(out)[0], steady_round_s(out))
+        (fedavg, fedavg_round_s), (dga_run, dga_round_s) = runs["fedavg"], runs[dga]
+        r, t = fedavg["message_path_s"], fedavg["round_train_s"]
+        allowed = min(1 + r / t, delay + 1)
+        speedup = fedavg_round_s / dga_round_s
+        found["links"][link] = {
+            "fedavg_path_s": r, "dga_path_s": dga_run["message_path_s"], "round_train_s": t,
+            "dga_path_ratio": dga_run["message_path_s"] / r, "fedavg_round_s": fedavg_round_s,
+            "dga_round_s": dga_round_s, "dga_speedup_per_round": speedup, "allowed_speedup": allowed,
+            "dga_round_efficiency": speedup / allowed,
+        }  # fmt: skip
+    return found
+
+
+def steady_round_s(run_dir: Path) -> float:
+    """Seconds a round from the run's third round to its last (its first rounds carry the run's fixed costs)."""
+    wall = [row["wall_s"] for row in read_rounds(run_dir, ROUNDS)]
+    return (wall[-1] - wall[SKIPPED]) / (len(wall) - 1 - SKIPPED)
+
+
+def targets(result: dict[str, Any]) -> dict[str, tuple[bool, str]]:
+    """Each aim of the message path, whether it is met, and the figure it is judged on."""
+    pi = result["pi_core_s_per_cycle"]
+    found = {f"a message cycle at most {AIM_PI_CORE_S} s of a Pi core (steady state)": (pi <= AIM_PI_CORE_S,
+                                                                                        f"{pi:.3f} s")}  # fmt: skip
+    for name, case in result["cases"].items():
+        for link, v in case["links"].items():
+            found[f"{name}, {link}: DGA's path at most {AIM_PATH_RATIO}x FedAvg's"] = (
+                v["dga_path_ratio"] <= AIM_PATH_RATIO,
+                f"{v['dga_path_ratio']:.2f}x",
+            )
+            found[f"{name}, {link}: DGA's rounds at least {AIM_EFFICIENCY} of what the link allows"] = (
+                v["dga_round_efficiency"] >= AIM_EFFICIENCY, f"{v['dga_round_efficiency']:.2f}")  # fmt: skip
+    return found
+
+
 def measured_run(config: Any, profile_out: Path) -> dict[str, Any]:
-    """The run with its devices' messaging CPU sampled, and one device's processes profiled where py-spy is."""
+    """The run with its devices' messaging CPU sampled, and one device's processes profiled where py-spy is: the
+    CPU per message cycle over each device's steady state and over the whole run."""
     profile_out.mkdir(parents=True, exist_ok=True)
     profile: dict[str, list[tuple[str, float]]] = {}
     with RoleCpu() as cpu:
@@ -200,22 +277,35 @@ def measured_run(config: Any, profile_out: Path) -> dict[str, Any]:
         spy.start()
         run(config, lambda line: print("   " + line, flush=True))
         spy.join(timeout=120)
-    cycles = _cycles(Path(config.out))
-    per_device = cpu.per_device()
-    devices = _by_partition(per_device)
+    messages = read_rounds(Path(config.out), MESSAGES)
+    whole = cpu.at(float("inf"))
+    steady: dict[tuple[str, str], float] = {}
+    cycles: dict[int, int] = {}
+    for device in {device for device, _ in whole}:
+        partition = int(device.rsplit("-", 1)[1])  # device edgefl-<pid>-device-<i> is client i
+        mine = sorted((m for m in messages if m["partition"] == partition), key=lambda m: m["sent_at"])
+        start, end = mine[SKIPPED]["sent_at"], max(m["sent_at"] + m["round_trip_s"] for m in mine)
+        before, after = cpu.at(start), cpu.at(end + SAMPLE_S)
+        cycles[partition] = len(mine) - SKIPPED
+        for role in ("supernode", "agent"):
+            key = (device, role)
+            steady[key] = (after.get(key, 0.0) - before.get(key, 0.0)) / cycles[partition]
+    whole_per_cycle = {
+        key: cpu_s / len([m for m in messages if m["partition"] == int(key[0].rsplit("-", 1)[1])])
+        for key, cpu_s in whole.items() if key[1] != "train"
+    }  # fmt: skip
+    return {"steady": _medians(steady), "whole": _medians(whole_per_cycle), "profile": profile, "cycles": cycles}
 
-    def median_per_cycle(*roles: str) -> float:
-        return statistics.median(sum(d.get(role, 0.0) for role in roles) / cycles[n] for n, d in devices)
 
-    per_process = {"SuperNode": median_per_cycle("supernode"), "agent (not training)": median_per_cycle("agent")}
-    both = median_per_cycle("supernode", "agent")
-    return {"host_core_s_per_cycle": both, "per_process": per_process, "profile": profile,
-            "cycles": cycles, "cpu_s": per_device}  # fmt: skip
+def _medians(per_cycle: dict[tuple[str, str], float]) -> dict[str, Any]:
+    """The median over devices of each messaging core's CPU a cycle, and of both."""
+    devices = sorted({device for device, _ in per_cycle})
 
+    def median(*roles: str) -> float:
+        return statistics.median(sum(per_cycle.get((d, role), 0.0) for role in roles) for d in devices)
 
-def _by_partition(per_device: dict[str, dict[str, float]]) -> list[tuple[int, dict[str, float]]]:
-    """(partition, its roles' CPU): device ``edgefl-<pid>-device-<i>`` is client i."""
-    return [(int(name.rsplit("-", 1)[1]), roles) for name, roles in sorted(per_device.items())]
+    per_process = {"SuperNode": median("supernode"), "agent (not training)": median("agent")}
+    return {"per_process": per_process, "both": median("supernode", "agent")}
 
 
 def _profile_first_device(cpu: RoleCpu, out: Path) -> dict[str, list[tuple[str, float]]]:
@@ -232,23 +322,22 @@ def _profile_first_device(cpu: RoleCpu, out: Path) -> dict[str, list[tuple[str, 
     return {}
 
 
-def _cycles(run_dir: Path) -> dict[int, int]:
-    """Message cycles per partition (``messages.jsonl``: every message, answered or not)."""
-    return collections.Counter(m["partition"] for m in read_rounds(run_dir, MESSAGES))
-
-
-def _link_lines(links: dict[str, dict[str, Any]]) -> list[str]:
-    if not links:
+def _case_lines(cases: dict[str, Any]) -> list[str]:
+    if not cases:
         return []
     return [
-        "FedAvg against DGA:2 on each link (R: the median message path; T: a round's training; allowed: "
-        "min(1 + R/T, D + 1) with FedAvg's R and T):",
+        "FedAvg against DGA on each case's links (R: the median message path; T: a round's training; rounds per "
+        "second from the third round on; allowed: min(1 + R/T, D + 1) with FedAvg's R and T):",
         "",
-        "| link | FedAvg R s | DGA R s | DGA R / FedAvg R | T s | DGA rounds/s over FedAvg's | allowed | efficiency |",
-        "|---|---|---|---|---|---|---|---|",
-        *(f"| {link} | {v['fedavg_path_s']:.2f} | {v['dga_path_s']:.2f} | {v['dga_path_ratio']:.2f} | "
-          f"{v['round_train_s']:.2f} | {v['dga_speedup_per_round']:.2f}x | {v['allowed_speedup']:.2f}x | "
-          f"{v['dga_round_efficiency']:.2f} |" for link, v in links.items()),
+        "| case | link | FedAvg R s | DGA R s | DGA R / FedAvg R | T s | FedAvg s/round | DGA s/round | "
+        "DGA rounds/s over FedAvg's | allowed | efficiency |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *(f"| {name} ({case['dga']}) | {link} | {v['fedavg_path_s']:.2f} | {v['dga_path_s']:.2f} | "
+          f"{v['dga_path_ratio']:.2f} | {v['round_train_s']:.2f} | {v['fedavg_round_s']:.2f} | "
+          f"{v['dga_round_s']:.2f} | "
+          f"{v['dga_speedup_per_round']:.2f}x | {v['allowed_speedup']:.2f}x | {v['dga_round_efficiency']:.2f} |"
+          for name, case in cases.items() for link, v in case["links"].items()),
+        "",
     ]  # fmt: skip
 
 
