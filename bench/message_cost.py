@@ -71,12 +71,14 @@ AIM_PI_CORE_S, AIM_PATH_RATIO, AIM_EFFICIENCY = 0.3, 1.2, 0.9
 
 
 class RoleCpu:
-    """CPU seconds used by the threads in each device's role cgroups (``edgefl-<pid>-device-*``), summed per role;
-    read every SAMPLE_S so that a thread's time counts even after it ends."""
+    """CPU seconds each device's roles (``edgefl-<pid>-device-*``'s cgroups) have used since it was placed, read every
+    ``SAMPLE_S``: ``supernode`` its SuperNode process's, ``train`` the agent's training thread's, ``agent`` the rest
+    of the agent process's. By process, not by thread: a process's count keeps its ended threads' (each object
+    pulled or pushed runs on a thread of a pool made for that call)."""
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[str, str, int], float] = {}  # (device, role, thread) → its CPU seconds so far
         self.history: list[tuple[float, dict[tuple[str, str], float]]] = []  # (when, (device, role) → CPU s)
+        self.first: dict[tuple[str, str], float] = {}  # (device, role) → its CPU seconds when first seen placed
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.pids: dict[tuple[str, str], set[int]] = collections.defaultdict(set)  # (device, role) → processes
@@ -92,26 +94,27 @@ class RoleCpu:
     def _sample(self) -> None:
         root = cpu_hierarchy()[1]
         while not self.stop.wait(SAMPLE_S):
+            totals = {}
             for device in root.glob(f"edgefl-{os.getpid()}-device-*"):
                 for role in ("train", "agent", "supernode"):
-                    for pid in _ints(device / role / "cgroup.procs"):
-                        self.pids[device.name, role].add(pid)
-                    for tid in _ints(device / role / "tasks"):
-                        cpu = _thread_cpu_s(tid)
-                        if cpu is not None:
-                            self.seen[device.name, role, tid] = cpu
-            totals: dict[tuple[str, str], float] = collections.defaultdict(float)
-            for (device, role, _), cpu in self.seen.items():
-                totals[device, role] += cpu
-            self.history.append((time.monotonic(), dict(totals)))
+                    self.pids[device.name, role].update(_ints(device / role / "cgroup.procs"))
+                train = sum(_cpu_s(f"/proc/{tid}/task/{tid}/stat") or 0.0 for tid in _ints(device / "train" / "tasks"))
+                agent = [_cpu_s(f"/proc/{pid}/stat") for pid in _ints(device / "agent" / "cgroup.procs")]
+                supernode = [_cpu_s(f"/proc/{pid}/stat") for pid in _ints(device / "supernode" / "cgroup.procs")]
+                if None in agent or None in supernode or not (agent and supernode):
+                    continue  # not placed yet, or gone
+                for role, cpu in (("train", train), ("agent", sum(agent) - train), ("supernode", sum(supernode))):
+                    self.first.setdefault((device.name, role), cpu)
+                    totals[device.name, role] = cpu - self.first[device.name, role]
+            self.history.append((time.monotonic(), totals))
 
     def at(self, when: float) -> dict[tuple[str, str], float]:
-        """The CPU seconds of each (device, role) as last sampled at or before ``when`` (none: nothing yet)."""
+        """The CPU seconds of each (device, role) since it was placed, as last sampled at or before ``when``."""
         found: dict[tuple[str, str], float] = {}
         for sampled, totals in self.history:
             if sampled > when:
                 break
-            found = totals
+            found = {**found, **totals}  # a device gone from a later sample keeps its last figures
         return found
 
 
@@ -122,13 +125,13 @@ def _ints(path: Path) -> list[int]:
         return []
 
 
-def _thread_cpu_s(tid: int) -> float | None:
-    """The thread's own CPU seconds (``/proc/TID/stat`` of a process's first thread is the whole process's)."""
+def _cpu_s(stat: str) -> float | None:
+    """utime + stime of a ``/proc/.../stat`` file in seconds (a process's counts its ended threads'); None if gone."""
     try:
-        fields = Path(f"/proc/{tid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def profile_processes(pids: dict[str, int], seconds: float, out: Path) -> dict[str, list[tuple[str, float]]]:

@@ -12,11 +12,10 @@ each set from a kernel that has published Raspberry Pi figures:
 A share is this host's time on the kernel over the device's (``share = host / device``): a CPU quota of that
 share of a host core then runs the kernel at the device's speed, on any host and whatever library or interpreter
 this host has. The host is measured at run time, as the clock measures its unit: on the calling thread with one
-BLAS thread, by its CPU time (``HOST``: the fastest tenth of many short runs), so that other processes do not make it
-look slow — a core shared with a busy sibling thread, or with a neighbour on a cloud host, runs a kernel slower in
-CPU time too (seen here: medians of 45 and 58 GFLOP/s a minute apart, their fastest tenth 55 and 61) — and kept for
-``HOST_SPEED_MAX_AGE_S`` in ``$XDG_CACHE_HOME/edgefl/host-speed-*.json`` (one per machine, Python, numpy and version
-of this file), so that the processes of one run (the launcher, a simulation's server) read the
+BLAS thread, by its CPU time (``HOST``: the median of many short runs), so that other processes do not make it look
+slow,
+and kept for ``HOST_SPEED_MAX_AGE_S`` in ``$XDG_CACHE_HOME/edgefl/host-speed-*.json`` (one per machine, Python,
+numpy and version of this file), so that the processes of one run (the launcher, a simulation's server) read the
 same figures; a cloud host's core drifts by tens of percent over hours (seen here: 31.9 to 39.2 GFLOP/s), so an
 older entry is measured again. ``measure(DEVICE)`` (wall time over a window) is what
 ``bench/device_calibration.py`` and ``edgefl edge bench --write-profile`` run under a device's caps or on a device.
@@ -37,8 +36,7 @@ from pathlib import Path
 
 DGEMM_N = 512
 NBODY_STEPS = 500
-RUNS = 31  # on the host: many short runs by CPU time, the fastest tenth (runs slowed by a busy core do not count)
-HOST_QUANTILE = 0.1
+RUNS = 31  # on the host: many short runs by CPU time, their median (a few slowed by other processes do not count)
 DEVICE_WINDOW_S = 2.0  # on a device: runs over this much wall time, averaged (a CPU quota is a rate over 100 ms
 # periods: a short run that fits in one period's quota would see the uncapped core)
 HOST_SPEED_MAX_AGE_S = 600.0
@@ -54,13 +52,12 @@ class KernelSpeeds:
 
 @dataclass(frozen=True)
 class Timing:
-    """How a kernel is timed: the ``quantile`` of ``runs`` runs' times by ``clock`` (0.5: their median), or, with
-    ``window_s``, as many runs as fill that much of ``clock``'s time, averaged."""
+    """How a kernel is timed: the median of ``runs`` runs by ``clock``, or, with ``window_s``, as many runs as fill
+    that much of ``clock``'s time, averaged."""
 
     clock: Callable[[], float] = time.perf_counter
     runs: int = RUNS
     window_s: float | None = None
-    quantile: float = 0.5
 
     def seconds_per_run(self, run: Callable[[], object]) -> float:
         run()  # warm-up
@@ -75,10 +72,10 @@ class Timing:
             start = self.clock()
             run()
             times.append(self.clock() - start)
-        return sorted(times)[int(len(times) * self.quantile)]
+        return sorted(times)[len(times) // 2]
 
 
-HOST = Timing(time.thread_time, quantile=HOST_QUANTILE)  # this thread's CPU time, its fastest runs: see above
+HOST = Timing(time.thread_time)  # this thread's CPU time: other threads and processes do not make it look slow
 DEVICE = Timing(time.perf_counter, window_s=DEVICE_WINDOW_S)  # wall time, under a device's caps or on a device
 
 

@@ -20,7 +20,7 @@ from contract.errors import EdgeflError, PeerError
 from ml.catalog import DATASET_KINDS, PARTITIONS, ModelError, check_model_for, resolve_model
 from strategies.codecs import CodecSpec, parse_codec
 from strategies.registry import app_of, mean_only, parse_strategy
-from strategies.rounds import pipeline_window
+from strategies.rounds import most_in_flight, pipeline_window
 from strategies.sampling import Sampler, parse_clients_per_round
 from strategies.spec import Spec, label, parse_aggregate, parse_spec
 from strategies.strategy import StrategySettings
@@ -178,6 +178,11 @@ class ClientJob:
         """Messages the server keeps in flight at each device of this run (``strategies.rounds.pipeline_window``)."""
         spec = self.strategy_spec
         return pipeline_window(spec.delay, spec.buffer, self.sampler().everyone)
+
+    @property
+    def most_held(self) -> int:
+        """The most messages a device of this run holds at once (``strategies.rounds.most_in_flight``)."""
+        return most_in_flight(self.window)
 
     @property
     def local_momentum(self) -> float:

@@ -18,7 +18,7 @@ answers each when it has an update ready (``edge.agent``): DGA's updates leave a
 bundles behind one message. Where its agent talks to it over the device's channel (``fl_client.channel``), the
 loop and the agent tell each other what happened instead of looking (``NodeSignals``): a stored message wakes the
 agent's claim, a reply the agent hands over wakes the push, and while the agent holds every message the server
-keeps at it (``contract.settings.ClientJob.window``) the loop asks the SuperLink for another only every
+keeps at it (``contract.settings.ClientJob.most_held``) the loop asks the SuperLink for another only every
 ``SLOW_POLL_S``.
 
 The SuperNode (``python -m fl_client.supernode``) and edgefl's ServerApp call ``tune()`` before Flower moves a
@@ -301,15 +301,34 @@ class _Pipeline:
         self._pull, self._push, self._idle, self._signals = pull, push, idle, signals
         self._pulled = False
         self._pusher: threading.Thread | None = None
+        self._confirmer: ThreadPoolExecutor | None = None
 
     def pull(self, *args: Any, **kwargs: Any) -> int:
         self._signals.attach(kwargs.get("state"))
+        told = self._signals.told
+        if told:  # the agent may claim a message as soon as its objects are stored, and the loop pulls the next one
+            kwargs["confirm_message_received"] = self._confirm_later(kwargs["confirm_message_received"])
         run_id = self._pull(*args, **kwargs)
         self._pulled = run_id is not None
         if self._pulled:
             self._idle.received()
-            self._signals.message_stored()
+            if not told:
+                self._signals.message_stored()
         return NO_RUN if run_id is None else run_id
+
+    def _confirm_later(self, confirm: Callable[[int, str], None]) -> Callable[[int, str], None]:
+        """``confirm`` (ConfirmMessageReceived: a link round trip, after the message's objects are stored) sent on
+        the confirmer's thread, in order, instead of in the loop: the agent is told of the message at once, and the
+        loop asks for the next one while the SuperLink is told of this one."""
+        if self._confirmer is None:
+            self._confirmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="confirm")
+
+        def confirm_later(run_id: int, message_id: str) -> None:
+            self._signals.message_stored()
+            assert self._confirmer is not None
+            self._confirmer.submit(_logged(confirm, f"confirming message {message_id}"), run_id, message_id)
+
+        return confirm_later
 
     def push(self, *, state: Any, object_store: Any, send: Any, push_object: Any) -> None:
         if not self._signals.told:
@@ -359,6 +378,18 @@ class _Pipeline:
             except Exception:  # Flower's push logs each message's failure itself; anything else is said here
                 log.exception("edgefl: pushing the SuperNode's replies failed; going on")
             signals.wait_for(functools.partial(signals.replied_since, seen), SLOW_POLL_S)
+
+
+def _logged(call: Callable[..., None], what: str) -> Callable[..., None]:
+    """``call``, its failure logged (it runs where no one waits for it)."""
+
+    def logged(*args: Any) -> None:
+        try:
+            call(*args)
+        except Exception:
+            log.exception("edgefl: %s failed", what)
+
+    return logged
 
 
 class _TunedClock:

@@ -195,11 +195,11 @@ class EdgeAgent:
         self._trainer.start()
         self.trainer_tid: int = self._trainer.native_id or 0
 
-    def window(self) -> int:
-        """Messages the server keeps at this device for the current session's run (``ClientJob.window``; 1 before
-        any)."""
+    def most_held(self) -> int:
+        """The most messages the server keeps at this device for the current session's run (``ClientJob.most_held``;
+        1 before any)."""
         session = self._session
-        return session.job.window if session else 1
+        return session.job.most_held if session else 1
 
     # ----- the trainer thread -------------------------------------------------------------------------
     def _train_forever(self) -> None:

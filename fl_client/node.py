@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     from fl_client.app import app  # the ClientApp the agent is attached to
 
     tasks.app = app
-    tasks.window = agent.window
+    tasks.most_held = agent.most_held
     try:
         tasks.serve(stop)
     finally:

@@ -13,8 +13,8 @@ for it (``contract.transport``), and the agent holds each until it has an update
 
 Where the SuperNode serves the device's channel (``fl_client.channel``: the same calls over a Unix socket, in the
 SuperNode's process) the agent uses it: a claim waits until there is a task (``WaitForTask``) instead of asking
-every 5–100 ms, and the agent tells the SuperNode how many more messages it takes now (``Wanted``: the messages the
-server keeps at it, ``window``, less those it holds unanswered), so that the SuperNode asks the SuperLink for
+every 5–100 ms, and the agent tells the SuperNode how many more messages it takes now (``Wanted``: the most the
+server keeps at it, ``most_held``, less those it holds unanswered), so that the SuperNode asks the SuperLink for
 another only while it takes one. Elsewhere it claims over Flower's HTTP Runtime API, as ``flwr-clientapp`` does.
 
 A task whose message this process has pulled is kept on disk (``HeldTask``, one file per task in the held-tasks
@@ -186,7 +186,7 @@ class TaskServer:
         self.port = int(address.rsplit(":", 1)[1])
         self.app = app
         self.held_dir = held_dir
-        self.window: Callable[[], int] = lambda: 1  # messages the server keeps at this device (EdgeAgent.window)
+        self.most_held: Callable[[], int] = lambda: 1  # the most messages the server keeps here (EdgeAgent.most_held)
         interceptors = [OwnSuperNodeOnly(), RuntimeVersionHttpInterceptor(component_name=COMPONENT)]
         if secret:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE}))
@@ -282,10 +282,10 @@ class TaskServer:
         self.tell_wanted()
 
     def tell_wanted(self) -> None:
-        """Tell the SuperNode, over the channel, how many more messages the agent takes now: the messages the server
-        keeps at this device less those it holds unanswered (once per change)."""
+        """Tell the SuperNode, over the channel, how many more messages the agent takes now: the most the server keeps
+        at this device less those it holds unanswered (once per change)."""
         with self._holding:
-            wanted, hints = max(self.window() - self._held, 0), self._hints
+            wanted, hints = max(self.most_held() - self._held, 0), self._hints
             if hints is None or wanted == self._told:
                 return
             self._told = wanted

@@ -101,23 +101,34 @@ class ClientModel:
     step_s: float
     share: float = 1.0
 
-    def _direction(self, profile: LinkProfile, size: int, rtts: int, cycle_index: int, idle_s: float) -> float:
+    def device_s(self, size: int) -> float:
+        """Seconds of the device's messaging cores one way of a message cycle takes, ``size`` bytes: half its fixed
+        work and its bytes' (F_d/2 + H·MB)/c."""
+        return (DEVICE_FIXED_S / 2 + DEVICE_S_PER_MB * size / 1e6) / self.share
+
+    def _link_s(self, profile: LinkProfile, size: int, rtts: int, cycle_index: int, idle_s: float) -> float:
         rtt = self.link.rtt_ms / 1000
         rate = rate_bps(profile, rtt)
         cold = slow_start_s(size, rate, rtt) * cold_share(cycle_index, idle_s)
-        device = (DEVICE_FIXED_S / 2 + DEVICE_S_PER_MB * size / 1e6) / self.share
-        return MESSAGE_FIXED_S / 2 + rtts * rtt + 8 * size / rate + cold + device
+        return MESSAGE_FIXED_S / 2 + rtts * rtt + 8 * size / rate + cold
+
+    def down_link_s(self, bytes_down: int, cycle_index: int, idle_s: float = 0.0) -> float:
+        """The way down but the device's work: PullMessages, the objects, ConfirmMessageReceived (``DOWN_RTTS``),
+        half the fixed cost and the transfer; ``cycle_index``: the client's cycles before, ``idle_s``: since its
+        last model went this way (``cold_share``)."""
+        return self._link_s(self.link.down, bytes_down, DOWN_RTTS, cycle_index, idle_s)
+
+    def up_link_s(self, bytes_up: int, cycle_index: int, idle_s: float = 0.0) -> float:
+        """The way up but the device's work: PushMessages and the objects, half the fixed cost, the transfer."""
+        return self._link_s(self.link.up, bytes_up, MESSAGE_RTTS - DOWN_RTTS, cycle_index, idle_s)
 
     def down_s(self, bytes_down: int, cycle_index: int, idle_s: float = 0.0) -> float:
-        """Seconds from the server's push until the agent holds the message: PullMessages, the objects,
-        ConfirmMessageReceived (``DOWN_RTTS``), half the fixed cost, the transfer and the device's handling;
-        ``cycle_index``: the client's cycles before, ``idle_s``: since its last model went this way
-        (``cold_share``)."""
-        return self._direction(self.link.down, bytes_down, DOWN_RTTS, cycle_index, idle_s)
+        """Seconds from the server's push until the agent holds the message, its messaging cores otherwise idle."""
+        return self.down_link_s(bytes_down, cycle_index, idle_s) + self.device_s(bytes_down)
 
     def up_s(self, bytes_up: int, cycle_index: int, idle_s: float = 0.0) -> float:
-        """Seconds from the agent's answer until the server has pulled it: PushMessages and the objects."""
-        return self._direction(self.link.up, bytes_up, MESSAGE_RTTS - DOWN_RTTS, cycle_index, idle_s)
+        """Seconds from the agent's answer until the server has pulled it, its messaging cores otherwise idle."""
+        return self.up_link_s(bytes_up, cycle_index, idle_s) + self.device_s(bytes_up)
 
     def cycle_s(self, bytes_down: int, steps: int, bytes_up: int, cycle_index: int, idle_s: float = 0.0) -> float:
         """Seconds from the server's push to its pull of the reply, training ``steps`` local steps in between; its
@@ -132,7 +143,9 @@ class ClientTimeline:
     that trains round after round, each from the newest global model that has reached the device and never past
     DGA's staleness bound (round t needs the global model of round t − D − 1); each round's update leaves as soon
     as it is trained (with two messages in flight the agent always holds one to answer). A global model reaches
-    the device ``down_s`` after the round closes. Plain numbers: ``fl_server.simulation`` drives it."""
+    the device ``down_s`` after the round closes. The device's work on its messages (``ClientModel.device_s``) is
+    a queue on its messaging cores, in the order it comes: a model coming down while an update goes up (DGA's
+    pipeline) waits for the core the other holds. Plain numbers: ``fl_server.simulation`` drives it."""
 
     model: ClientModel
     steps: int
@@ -143,10 +156,18 @@ class ClientTimeline:
     cycles: int = 0  # messages so far (the first C pay slow start)
     last_down: float = 0.0  # when its last model came down, and when its last update went up (``cold_share``)
     last_up: float = 0.0
+    messaging_free_at: float = 0.0  # when the device's messaging cores are done with the work queued on them
+
+    def handled(self, ready: float, work: float) -> float:
+        """When the messaging cores finish ``work`` seconds of a message's handling that can start at ``ready``: once
+        they are done with what came before."""
+        self.messaging_free_at = max(ready, self.messaging_free_at) + work
+        return self.messaging_free_at
 
     def global_sent(self, at: float, round_: int, size: int) -> None:
         """The global model of ``round_`` left the server at ``at`` in a message of ``size`` bytes."""
-        arrival = at + self.model.down_s(size, self.cycles, at - self.last_down)
+        landed = at + self.model.down_link_s(size, self.cycles, at - self.last_down)
+        arrival = self.handled(landed, self.model.device_s(size))
         self.arrivals.append((arrival, round_))
         self.last_down = max(self.last_down, arrival)
 
@@ -168,10 +189,32 @@ class ClientTimeline:
     def train(self, at: float, bytes_up: int) -> float:
         """The next round starts at ``at``: when its update (``bytes_up``) reaches the server."""
         done = at + self.round_s
-        arrival = done + self.model.up_s(bytes_up, self.cycles, done - self.last_up)
+        sent = self.handled(done, self.model.device_s(bytes_up))
+        arrival = sent + self.model.up_link_s(bytes_up, self.cycles, done - self.last_up)
         self.free_at, self.next_round, self.cycles = done, self.next_round + 1, self.cycles + 1
         self.last_up = max(self.last_up, arrival)
         return arrival
+
+
+@dataclass(frozen=True)
+class MessagePath:
+    """One run of ``bench/calibration.py --fit``: a message cycle's bytes both ways (MB), its median message path
+    R, and the device's messaging share c it ran at (1: uncapped)."""
+
+    megabytes: float
+    path_s: float
+    share: float
+
+
+def fit_message_terms(small: MessagePath, large: MessagePath, uncapped: MessagePath) -> tuple[float, float, float]:
+    """(F, F_d, H) — ``MESSAGE_FIXED_S``, ``DEVICE_FIXED_S``, ``DEVICE_S_PER_MB`` — from R = F + (F_d + H·MB)/c over a
+    link with no delay: two message sizes on one device (c < 1) and the small one uncapped (c = 1). H from the two
+    sizes, c·ΔR/ΔMB; the small size's device work A = F_d + H·MB from how much longer the device took than the
+    uncapped run, A/c − A; then F = R_uncapped − A and F_d = A − H·MB."""
+    c = small.share
+    per_mb = c * (large.path_s - small.path_s) / (large.megabytes - small.megabytes)
+    work = (small.path_s - uncapped.path_s) * c / (1 - c)
+    return uncapped.path_s - work, work - per_mb * small.megabytes, per_mb
 
 
 def client_model(link: Link, device: DeviceProfile, host_step_s: float, run: RunKey | None = None) -> ClientModel:

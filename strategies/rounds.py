@@ -152,6 +152,12 @@ def pipeline_window(delay: int, buffer: int, everyone: bool) -> int:
     return 2 if delay > 0 and not buffer and everyone else 1
 
 
+def most_in_flight(window: int) -> int:
+    """The most messages a client of ``window`` holds at once: with more than one in flight, a new global model is
+    sent beyond the window (``RoundEngine.next_request``)."""
+    return window + 1 if window > 1 else window
+
+
 class RoundEngine:
     def __init__(
         self,
@@ -234,8 +240,8 @@ class RoundEngine:
         c = self._clients.setdefault(client, _Client())
         c.source = c.source if partition is None else partition
         new_global = self.aggregated > c.delivered or c.resend_global
-        beyond = new_global and self.window > 1  # a pipelined client is sent a new global model at once
-        if self.done or c.in_flight >= self.window + beyond:
+        limit = most_in_flight(self.window) if new_global else self.window  # a new global model goes at once
+        if self.done or c.in_flight >= limit:
             return None
         frontier = min(self.rounds, self.aggregated + self.delay + 1)
         if not self.sampler.everyone and c.received <= self.aggregated:

@@ -135,7 +135,7 @@ def test_a_task_is_served_over_the_channel_by_flowers_own_handlers(supernode: Su
         return Message(RecordDict({"update": ConfigRecord({"round": 1})}), reply_to=msg)
 
     tasks = TaskServer(f"127.0.0.1:{supernode.port}", app)
-    tasks.window = lambda: 2
+    tasks.most_held = lambda: 2
     stop = threading.Event()
     serving = threading.Thread(target=tasks.serve, args=(stop,))
     serving.start()

@@ -33,8 +33,10 @@ from netem.clock import (
     POOLED_CONNECTIONS,
     ClientModel,
     ClientTimeline,
+    MessagePath,
     client_models,
     cold_share,
+    fit_message_terms,
     rate_bps,
     slow_start_s,
 )
@@ -264,15 +266,16 @@ def test_a_pipelined_client_trains_round_after_round_and_waits_only_at_the_stale
 def test_a_simulated_dga_runs_the_deployments_pipeline(run_dir: Path, ray_head: str) -> None:
     """DGA with every client in every round is timed as the agent's pipeline (``ClientTimeline``): each message
     asks for one round, held for and recorded as training exactly that round's modelled time on its device. With
-    D as long as the run no round waits for a global model, and the laptop on a lan (no slow start there) trains
-    its rounds back to back: one trainer, one round after the other."""
+    D as long as the run no round waits for a global model, and the laptop on a lan (no slow start there), whose
+    rounds take longer than its messaging cores' work on a round's messages (the queue they are), trains its rounds
+    back to back: one trainer, one round after the other."""
     done = edgefl("run", *DIGITS, "--clients", "2", "--rounds", "8", "--strategy", "dga:8",
                   "--federation", "simulation", "--ray-address", ray_head, "--profile", "lan,long-distance",
-                  "--device-profile", "laptop,rpi4", "--clock-step-s", "0.01", "--out", str(run_dir))  # fmt: skip
+                  "--device-profile", "laptop,rpi4", "--clock-step-s", "0.2", "--out", str(run_dir))  # fmt: skip
     assert done.returncode == 0, done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["clock"]["pipelined"] and summary["rounds"] == 8
-    step_s = {0: 0.01, 1: device_profile("rpi4").step_s(0.01)}
+    step_s = {0: 0.2, 1: device_profile("rpi4").step_s(0.2)}
     assert summary["round_train_s"] == pytest.approx(3 * (step_s[0] + step_s[1]) / 2)  # the median of 8 + 8 rounds
     trips = [m for m in read_rounds(run_dir, "messages.jsonl") if m["rounds"]]
     assert trips and all(len(m["rounds"]) == 1 for m in trips)
@@ -283,7 +286,37 @@ def test_a_simulated_dga_runs_the_deployments_pipeline(run_dir: Path, ray_head: 
         assert [m["train_s"] for m in mine] == pytest.approx([3 * step] * len(mine))  # the device's, not Ray's
     laptop = sorted((m for m in trips if m["partition"] == 0), key=lambda m: m["rounds"][0])
     ends = [m["sent_at"] + m["round_trip_s"] for m in laptop]  # arrival = start + training + the way up
-    assert np.diff(ends) == pytest.approx([0.03] * (len(ends) - 1), abs=1e-6)  # back to back: nothing waited
+    work = ClientModel(BUILTIN_LINKS["lan"], 0.2)
+    assert work.device_s(laptop[-1]["bytes_down"]) + work.device_s(laptop[-1]["bytes_up"]) < 3 * 0.2  # < a round
+    assert np.diff(ends) == pytest.approx([3 * 0.2] * (len(ends) - 1), abs=1e-6)  # back to back: nothing waited
+
+
+def test_the_message_terms_are_recovered_from_two_sizes_on_a_device_and_one_uncapped() -> None:
+    """``bench/calibration.py --fit``'s arithmetic: paths made from known terms give them back."""
+    fixed, device_fixed, per_mb, share = 0.2, 0.05, 0.01, 0.36
+
+    def path(megabytes: float, c: float) -> MessagePath:
+        return MessagePath(megabytes, fixed + (device_fixed + per_mb * megabytes) / c, c)
+
+    found = fit_message_terms(path(0.85, share), path(6.6, share), path(0.85, 1.0))
+    assert found == pytest.approx((fixed, device_fixed, per_mb))
+
+
+def test_a_model_coming_down_waits_for_the_messaging_cores_an_update_going_up_holds() -> None:
+    """The device's messaging cores are one queue: a global model that lands while the last update's handling still
+    holds them (DGA's pipeline: a model comes down as an update goes up) is the device's only once that is done."""
+    model = ClientModel(BUILTIN_LINKS["lan"], step_s=0.1, share=0.01)  # a device this slow: its handling dominates
+    handling = model.device_s(1_000_000)
+    timeline = ClientTimeline(model, steps=10, delay=2)
+    timeline.cycles = 9
+    arrival = timeline.train(0.0, 1_000_000)  # trained by 1 s; its handling holds the cores from then
+    assert arrival == pytest.approx(1.0 + handling + model.up_link_s(1_000_000, 9, 1.0))
+    landed = 1.0 - model.down_link_s(1_000_000, 9)  # lands on the device as the update's handling starts
+    timeline.global_sent(landed, 1, 1_000_000)
+    assert timeline.arrivals[-1] == (pytest.approx(1.0 + 2 * handling), 1)  # after the update's handling, not at 1 s
+    alone = ClientTimeline(model, steps=10, delay=2, cycles=9)
+    alone.global_sent(landed, 1, 1_000_000)
+    assert alone.arrivals[-1][0] == pytest.approx(1.0 + handling)
 
 
 def test_a_model_pays_slow_start_again_once_its_connections_sat_idle() -> None:

@@ -181,9 +181,15 @@ def _pipeline(pulled: list[int | None], signals=None):
         pushed.append(list(state.get_messages_legacy(is_reply=True)))
         pushed.done.set()
 
+    def pull(*, state, confirm_message_received) -> int | None:  # Flower's: stores a message, then confirms it
+        run_id = pulled.pop(0)
+        if run_id is not None:
+            confirm_message_received(run_id, "message")
+        return run_id
+
     state = _State()
     idle = transport._IdleBackoff()
-    pipeline = transport._Pipeline(lambda **_: pulled.pop(0), push, idle, signals or transport.NodeSignals())
+    pipeline = transport._Pipeline(pull, push, idle, signals or transport.NodeSignals())
     kwargs = {"state": state, "object_store": None, "send": None, "push_object": None}
     return pipeline, idle, state, pushed, kwargs
 
@@ -196,18 +202,49 @@ def test_the_pipelined_supernode_pulls_and_pushes_independently() -> None:
     import contract.transport as transport
 
     pipeline, idle, state, pushed, kwargs = _pipeline([None, 5])
-    assert pipeline.pull(state=state) == transport.NO_RUN  # nothing pulled: the loop goes on to push
+    pulled_none = pipeline.pull(state=state, confirm_message_received=_confirm)
+    assert pulled_none == transport.NO_RUN  # nothing pulled: the loop goes on to push
     started = time.monotonic()
     pipeline.push(**kwargs)  # no reply: it looked for one up to the idle poll, then backs off
     assert pushed == [] and state.looked >= 2 and time.monotonic() - started >= IDLE_POLL_S[0]
     assert idle.delay > IDLE_POLL_S[0]
-    assert pipeline.pull(state=state) == 5  # a message: no idle wait before pushing what there is
+    # a message: no idle wait before pushing what there is
+    assert pipeline.pull(state=state, confirm_message_received=_confirm) == 5
     looked = state.looked
     pipeline.push(**kwargs)
     assert pushed == [] and state.looked == looked + 1
     state.replies = ["reply-1", "reply-2"]
     pipeline.push(**kwargs)
     assert pushed == [["reply-1", "reply-2"]] and idle.delay == IDLE_POLL_S[0]
+
+
+def _confirm(run_id: int, message_id: str) -> None:
+    """Flower's ConfirmMessageReceived, stood in for."""
+
+
+def test_over_the_channel_a_message_is_the_agents_before_the_superlink_is_told_of_it() -> None:
+    """Flower's loop tells the SuperLink it received a message (a link round trip) before it pulls the next one or
+    lets anyone know. Over the channel the agent is told as soon as the message's objects are stored, and the
+    confirmation goes out on a thread of its own while the loop goes on."""
+    import contract.transport as transport
+
+    signals = transport.NodeSignals()
+    signals.want(1)
+    pipeline, _, state, _, _ = _pipeline([7], signals)
+    confirming, release = threading.Event(), threading.Event()
+    confirmed: list[tuple[int, str]] = []
+
+    def slow_confirm(run_id: int, message_id: str) -> None:  # the round trip, held until released
+        confirming.set()
+        release.wait(30)
+        confirmed.append((run_id, message_id))
+
+    assert pipeline.pull(state=state, confirm_message_received=slow_confirm) == 7  # the loop did not wait for it
+    assert signals.stored == 1 and not confirmed
+    assert confirming.wait(30)
+    release.set()
+    pipeline._confirmer.shutdown(wait=True)
+    assert confirmed == [(7, "message")]
 
 
 def test_over_the_channel_replies_go_out_at_once_and_a_full_agent_is_polled_for_slowly() -> None:
@@ -220,7 +257,8 @@ def test_over_the_channel_replies_go_out_at_once_and_a_full_agent_is_polled_for_
     signals = transport.NodeSignals()
     pipeline, _, state, pushed, kwargs = _pipeline([None, None], signals)
     signals.want(0)
-    assert pipeline.pull(state=state) == transport.NO_RUN and signals.state is state
+    assert pipeline.pull(state=state, confirm_message_received=_confirm) == transport.NO_RUN
+    assert signals.state is state
     came = threading.Event()
 
     def hand_over_then_want() -> None:
