@@ -11,10 +11,10 @@ replies that close a round arrive.
 
 ``--fit`` first measures the clock's message terms (``netem.clock.MESSAGE_FIXED_S``, ``DEVICE_FIXED_S`` and
 ``DEVICE_S_PER_MB``): FedAvg over lan on the device profile with two model sizes (the Fashion-MNIST CNN, 0.42 MB,
-and LEAF's Shakespeare LSTM, 3.3 MB) and with the CNN uncapped, 12 rounds each; with no link to speak of, a message
-path is F + (F_d + H·MB)/c, MB its bytes both ways and c the device's messaging share of a core (1 uncapped), so the
-three paths give F, F_d and H (``netem.clock.fit_message_terms``). They are printed for netem/clock.py (the
-comparison then runs on the values committed there).
+and LEAF's Shakespeare LSTM, 3.3 MB), 12 rounds each, three runs of each in turns, its devices' messaging CPU sampled
+(``bench/message_cost.py``'s): the CPU a cycle, F_d + H·MB, gives F_d and H, and with no link to speak of the
+message path, F + (F_d + H·MB)/c, gives F (``netem.clock.fit_message_terms``). They are printed for netem/clock.py
+(the comparison then runs on the values committed there).
 
     python bench/calibration.py [--fit] [--device-profile rpi4] [--rounds 20] [--rerun local,simulation]
 """
@@ -29,13 +29,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from message_cost import measured_run
 from results import write_result
 
 from contract.run_folder import MESSAGES, read_rounds
 from contract.settings import build_config
 from edge.devices import device_profile
 from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES, DEFAULTS, compare, run_dir_for
-from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
 from edgefl.report import load_run
 from fl_client.tasks import TaskTiming
@@ -128,52 +128,62 @@ def main() -> int:
     return 0
 
 
-FIT_RUNS = {  # two model sizes, each on its own data set, on the device; the small one uncapped too
+FIT_RUNS = {  # two model sizes, each on its own data set
     "cnn": {"dataset": "fashion-mnist", "partition": "dirichlet:0.3", "model": "cnn", "local_steps": 5},
     "leaf-lstm": {"dataset": "shakespeare", "partition": "natural", "model": "leaf-lstm", "local_steps": 5,
                   "batch_size": 10},
 }  # fmt: skip
-UNCAPPED = "laptop"  # no cap: a device whose messaging cores are this host's (c = 1)
 FIT_ROUNDS = 12
+FIT_REPEATS = 3  # each model's runs, taken in turns (this host's speed drifts over minutes): their medians
 
 
 def fit_device_terms(device_name: str, out: Path) -> int:
-    """FedAvg over lan with the CNN and LEAF's LSTM on the device, and the CNN uncapped: each run's message path R
-    and message bytes MB give one equation R = F + (F_d + H·MB)/c (c the messaging share; 1 uncapped); the three
-    give the path's own fixed time F (the server's and the polls', no device work) and the device's terms F_d and H
+    """FedAvg over lan with the CNN and LEAF's LSTM on the device, ``FIT_REPEATS`` runs each in turns: each run's
+    message path R, the CPU its devices' messaging cores spent on a cycle in the run's steady state
+    (``message_cost.measured_run``) and its bytes; their medians give the clock's F, F_d and H
     (``netem.clock.fit_message_terms``)."""
     share = device_profile(device_name).shares().message or 1.0  # a message cycle's own work: the messaging cores
-    points = {}
-    for name, settings, device, c in (("cnn", FIT_RUNS["cnn"], device_name, share),
-                                      ("leaf-lstm", FIT_RUNS["leaf-lstm"], device_name, share),
-                                      ("cnn uncapped", FIT_RUNS["cnn"], UNCAPPED, 1.0)):  # fmt: skip
-        folder = out / name.replace(" ", "-")
-        config = build_config(
-            None, strategy="fedavg", profile="lan", clients=4, rounds=FIT_ROUNDS, eval_every=FIT_ROUNDS,
-            eval_examples=500, device_profile=device, out=str(folder), **settings,
-        )  # fmt: skip
-        print(f"== fedavg over lan on {device} with {name}", flush=True)
-        run(config, lambda line: print("   " + line, flush=True))
-        summary, _ = load_run(folder)
-        trips = [m for m in read_rounds(folder, MESSAGES) if m["rounds"]]
-        megabytes = statistics.median((m["bytes_down"] + m["bytes_up"]) / 1e6 for m in trips)
-        points[name] = MessagePath(megabytes, summary["message_path_s"], c)
-    fixed_s, device_fixed_s, per_mb = fit_message_terms(points["cnn"], points["leaf-lstm"], points["cnn uncapped"])
+    runs: dict[str, list[MessagePath]] = defaultdict(list)
+    for repeat in range(FIT_REPEATS):
+        for name, settings in FIT_RUNS.items():
+            folder = out / f"{name}-{repeat}"
+            config = build_config(
+                None, strategy="fedavg", profile="lan", clients=4, rounds=FIT_ROUNDS, eval_every=FIT_ROUNDS,
+                eval_examples=500, device_profile=device_name, out=str(folder), **settings,
+            )  # fmt: skip
+            print(f"== [{repeat + 1}/{FIT_REPEATS}] fedavg over lan on {device_name} with {name}", flush=True)
+            cost = measured_run(config)
+            summary, _ = load_run(folder)
+            trips = [m for m in read_rounds(folder, MESSAGES) if m["rounds"]]
+            megabytes = statistics.median((m["bytes_down"] + m["bytes_up"]) / 1e6 for m in trips)
+            runs[name].append(MessagePath(megabytes, summary["message_path_s"], cost["steady"]["both"], share))
+    points = {
+        name: MessagePath(*(statistics.median(getattr(p, f) for p in found) for f in ("megabytes", "path_s", "cpu_s")),
+                          share)
+        for name, found in runs.items()
+    }  # fmt: skip
+    fixed_s, device_fixed_s, per_mb = fit_message_terms(points["cnn"], points["leaf-lstm"])
     text = "\n".join([
-        f"FedAvg over lan, 4 clients, {FIT_ROUNDS} rounds; on {device_name} (messaging cores of {share:.4f} of this "
-        "host's) and uncapped; R = the median message path (messages.jsonl path_s), MB = a message cycle's bytes both "
-        "ways, c = the messaging share:",
+        f"FedAvg over lan, 4 clients on {device_name} (messaging cores of {share:.4f} of this host's), {FIT_ROUNDS} "
+        f"rounds, {FIT_REPEATS} runs of each model in turns; R = the median message path (messages.jsonl path_s), MB "
+        "= a message cycle's bytes both ways, CPU = what the devices' messaging cores spent on a cycle in the run's "
+        "steady state (seconds of this host's core, the median over devices, idle polling included); each run, then "
+        "the medians:",
         "",
-        "| run | MB a cycle | c | R s |",
-        "|---|---|---|---|",
-        *(f"| {name} | {p.megabytes:.3f} | {p.share:.4f} | {p.path_s:.3f} |" for name, p in points.items()),
+        "| model | MB a cycle | R s | CPU s a cycle | R − CPU/c s |",
+        "|---|---|---|---|---|",
+        *(f"| {name} | {p.megabytes:.3f} | {p.path_s:.3f} | {p.cpu_s:.4f} | {p.path_s - p.cpu_s / p.share:.3f} |"
+          for name, found in runs.items() for p in found),
+        *(f"| **{name}, median** | {p.megabytes:.3f} | {p.path_s:.3f} | {p.cpu_s:.4f} | "
+          f"{p.path_s - p.cpu_s / p.share:.3f} |" for name, p in points.items()),
         "",
         f"MESSAGE_FIXED_S = {fixed_s:.3f}  # F: the path's own time, no device work",
         f"DEVICE_FIXED_S = {device_fixed_s:.3f}  # F_d: seconds of this host's core a device spends on a message cycle",
         f"DEVICE_S_PER_MB = {per_mb:.3f}  # H: and per MB of message it takes or sends",
     ])  # fmt: skip
     write_result(out, text, {"message_fixed_s": fixed_s, "device_fixed_s": device_fixed_s, "device_s_per_mb": per_mb,
-                             "points": {name: asdict(p) for name, p in points.items()}})  # fmt: skip
+                             "points": {name: asdict(p) for name, p in points.items()},
+                             "runs": {name: [asdict(p) for p in found] for name, found in runs.items()}})  # fmt: skip
     return 0
 
 

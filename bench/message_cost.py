@@ -270,16 +270,18 @@ def targets(result: dict[str, Any]) -> dict[str, tuple[bool, str]]:
     return found
 
 
-def measured_run(config: Any, profile_out: Path) -> dict[str, Any]:
-    """The run with its devices' messaging CPU sampled, and one device's processes profiled where py-spy is: the
-    CPU per message cycle over each device's steady state and over the whole run."""
-    profile_out.mkdir(parents=True, exist_ok=True)
+def measured_run(config: Any, profile_out: Path | None = None) -> dict[str, Any]:
+    """The run with its devices' messaging CPU sampled, and (with ``profile_out``) one device's processes profiled
+    where py-spy is: the CPU per message cycle over each device's steady state and over the whole run."""
     profile: dict[str, list[tuple[str, float]]] = {}
     with RoleCpu() as cpu:
-        spy = threading.Thread(target=lambda: profile.update(_profile_first_device(cpu, profile_out)), daemon=True)
-        spy.start()
+        if profile_out is not None:
+            profile_out.mkdir(parents=True, exist_ok=True)
+            spy = threading.Thread(target=lambda: profile.update(_profile_first_device(cpu, profile_out)), daemon=True)
+            spy.start()
         run(config, lambda line: print("   " + line, flush=True))
-        spy.join(timeout=120)
+        if profile_out is not None:
+            spy.join(timeout=120)
     messages = read_rounds(Path(config.out), MESSAGES)
     whole = cpu.at(float("inf"))
     steady: dict[tuple[str, str], float] = {}

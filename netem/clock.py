@@ -6,13 +6,15 @@ A message cycle (the server pushes a message, the client trains the rounds it br
     t = F + (F_d + H·(b_down + b_up)) / c + R·rtt + 8·b_down / r_down + s·σ + 8·b_up / r_up
         [+ S(b_down) + S(b_up) in a client's first C cycles]
 
-- F = ``MESSAGE_FIXED_S`` (0.48 s): edgefl's message path on loopback with no training — the SuperNode's poll,
-  the Runtime API hand-over, the server's pull (``bench/message_path.py``, "agent, tuned" on loopback);
+- F = ``MESSAGE_FIXED_S``: edgefl's message path over a link with no delay, less the device's own work — the
+  SuperNode's poll, the server's push and pull, the SuperLink;
 - F_d = ``DEVICE_FIXED_S`` and H = ``DEVICE_S_PER_MB``: what the device itself spends on a message cycle, in
-  seconds of one core of this host, besides and per MB of its bytes (Flower's object (de)serialization and
-  hashing, its SuperNode's requests, the hand-over between SuperNode and agent), taking 1/c as long on a device
-  whose messaging cores are a share c of this host's (``contract.devices.DeviceShares.message``): measured on the
-  testbed by ``bench/calibration.py``, from FedAvg's message path with two model sizes on emulated Raspberry Pi 4s;
+  seconds of one core of this host, besides and per MB of its bytes (its SuperNode's requests and TLS, Flower's
+  object (de)serialization and hashing, the hand-over to the agent over the device's channel), taking 1/c as long
+  on a device whose messaging cores are a share c of this host's (``contract.devices.DeviceShares.message``);
+  the three measured on the testbed by ``bench/calibration.py --fit`` from FedAvg over lan with two model sizes on
+  emulated Raspberry Pi 4s: the CPU their messaging cores spent on a cycle, and the message path
+  (``fit_message_terms``);
 - R = ``MESSAGE_RTTS`` (5): the link round trips a cycle costs, the sequential requests of Flower's protocol
   counted in the same bench (PullMessages, the message's objects, ConfirmMessageReceived, PushMessages, the
   reply's objects). That bench's long-distance path (2.89 s) held 3 more, slow start on connections that had not
@@ -48,11 +50,11 @@ from netem.profiles import Link, LinkProfile
 
 RunKey = tuple[str, str, int]  # (model, data set, batch size): contract.settings.RunConfig.step_key
 
-MESSAGE_FIXED_S = 0.48
+MESSAGE_FIXED_S = 0.431  # F, F_d and H: python bench/calibration.py --fit (rpi4, 4 clients, lan)
+DEVICE_FIXED_S = 0.061  # this host's core-seconds a device spends on a message cycle besides its bytes, and per MB
+DEVICE_S_PER_MB = 0.016  # of message it takes or sends
 MESSAGE_RTTS = 5
 DOWN_RTTS = 3  # of them on the message's way down: PullMessages, the objects, ConfirmMessageReceived
-DEVICE_FIXED_S = 0.317  # this host's core-seconds a device spends on a message cycle besides its bytes, and per MB
-DEVICE_S_PER_MB = 0.078  # of message it takes or sends: python bench/calibration.py --fit (rpi4, 4 clients, lan)
 MSS_BYTES = 1448
 INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
 POOLED_CONNECTIONS = 3  # a message's objects each way, requested in parallel (contract.wire)
@@ -198,23 +200,23 @@ class ClientTimeline:
 
 @dataclass(frozen=True)
 class MessagePath:
-    """One run of ``bench/calibration.py --fit``: a message cycle's bytes both ways (MB), its median message path
-    R, and the device's messaging share c it ran at (1: uncapped)."""
+    """One run of ``bench/calibration.py --fit``: a message cycle's bytes both ways (MB), its median message path R,
+    the CPU its device's messaging cores spent on a cycle (seconds of this host's core) and their share c of it."""
 
     megabytes: float
     path_s: float
+    cpu_s: float
     share: float
 
 
-def fit_message_terms(small: MessagePath, large: MessagePath, uncapped: MessagePath) -> tuple[float, float, float]:
-    """(F, F_d, H) — ``MESSAGE_FIXED_S``, ``DEVICE_FIXED_S``, ``DEVICE_S_PER_MB`` — from R = F + (F_d + H·MB)/c over a
-    link with no delay: two message sizes on one device (c < 1) and the small one uncapped (c = 1). H from the two
-    sizes, c·ΔR/ΔMB; the small size's device work A = F_d + H·MB from how much longer the device took than the
-    uncapped run, A/c − A; then F = R_uncapped − A and F_d = A − H·MB."""
-    c = small.share
-    per_mb = c * (large.path_s - small.path_s) / (large.megabytes - small.megabytes)
-    work = (small.path_s - uncapped.path_s) * c / (1 - c)
-    return uncapped.path_s - work, work - per_mb * small.megabytes, per_mb
+def fit_message_terms(small: MessagePath, large: MessagePath) -> tuple[float, float, float]:
+    """(F, F_d, H) — ``MESSAGE_FIXED_S``, ``DEVICE_FIXED_S``, ``DEVICE_S_PER_MB`` — from two message sizes over a link
+    with no delay: the device's CPU a cycle is F_d + H·MB (a line through the two), and the path R = F + (F_d + H·MB)/c,
+    so F is what is left of R, the mean of the two."""
+    per_mb = (large.cpu_s - small.cpu_s) / (large.megabytes - small.megabytes)
+    fixed = small.cpu_s - per_mb * small.megabytes
+    path = (small.path_s - small.cpu_s / small.share + large.path_s - large.cpu_s / large.share) / 2
+    return path, fixed, per_mb
 
 
 def client_model(link: Link, device: DeviceProfile, host_step_s: float, run: RunKey | None = None) -> ClientModel:
