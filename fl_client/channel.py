@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -161,7 +162,7 @@ class ChannelServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True, name="channel-call").start()
 
     def _serve(self, conn: socket.socket) -> None:
-        hinted = False
+        hinted, seen = False, Seen()
         with conn:
             while True:
                 try:
@@ -169,7 +170,7 @@ class ChannelServer:
                 except (OSError, struct.error):  # gone, or not a call: the connection is dropped
                     break
                 hinted = hinted or method == WANTED
-                status, answer = self.handle(method, token, wait_s, body)
+                status, answer = self.handle(method, token, wait_s, body, seen)
                 try:
                     _send_frame(conn, ANSWER.pack(status), answer)
                 except OSError:
@@ -177,8 +178,11 @@ class ChannelServer:
         if hinted:  # the agent that told what it wanted is gone: its SuperNode polls as for one that wants a message
             self.signals.want(1)
 
-    def handle(self, method: str, token: str, wait_s: float, body: bytes) -> tuple[int, bytes]:
-        """(status, body) of one call: Flower's handler's response, or the reason it was refused."""
+    def handle(
+        self, method: str, token: str, wait_s: float, body: bytes, seen: Seen | None = None
+    ) -> tuple[int, bytes]:
+        """(status, body) of one call: Flower's handler's response, or the reason it was refused; ``seen``: what its
+        connection's last claim saw (``WaitForTask``)."""
         from contract.flower import FlowerError
 
         if method == WANTED:
@@ -193,7 +197,7 @@ class ChannelServer:
             if state is None:  # the loop has not started: no task exists yet
                 return (REFUSED, b"no such task") if needs_task else (OK, b"")
             if method == WAIT_FOR_TASK:
-                response = self._wait_for_task(handler, request, state, wait_s)
+                response = self._wait_for_task(handler, request, state, wait_s, seen or Seen())
             elif needs_task:
                 task = state.get_task_by_token(token) if token else None
                 if task is None:
@@ -216,15 +220,28 @@ class ChannelServer:
             signals.wait_for(lambda: signals.state is not None, wait_s)
         return signals.state
 
-    def _wait_for_task(self, acquire: Callable[..., Any], request: Any, state: Any, wait_s: float) -> Any:
-        """``acquire``'s claim, once the loop has stored a message when there is none yet, at most ``wait_s``."""
+    def _wait_for_task(self, acquire: Callable[..., Any], request: Any, state: Any, wait_s: float, seen: Seen) -> Any:
+        """``acquire``'s claim, made once the loop has stored a message since the connection's last claim found none
+        (at once on its first), within ``wait_s``; an empty claim after that. Flower's loop makes a message's task
+        before it pulls the message's objects: claimed then, the agent would ask for objects still on their way."""
         signals, deadline = self.signals, time.monotonic() + wait_s
         while True:
-            seen = signals.stored
-            claim = acquire(request, state)
+            stored = signals.stored
+            if stored != seen.stored:
+                claim = acquire(request, state)
+                if claim.HasField("task"):
+                    return claim
+                seen.stored = stored
             left = deadline - time.monotonic()
-            if claim.HasField("task") or left <= 0 or not signals.wait_for(partial(signals.stored_since, seen), left):
-                return claim
+            if left <= 0 or not signals.wait_for(partial(signals.stored_since, stored), left):
+                return _proto(TYPES[WAIT_FOR_TASK][1])()
+
+
+@dataclass
+class Seen:
+    """What a connection's last claim that found no task saw: the loop's count of stored messages (-1: none yet)."""
+
+    stored: int = -1
 
 
 def _parse_call(frame: bytes) -> tuple[str, str, float, bytes]:

@@ -263,9 +263,14 @@ class TaskServer:
         when the SuperNode serves none: claims go over HTTP."""
         if self._channel is None:
             try:
-                channel, hints = ChannelClient(self.port), ChannelClient(self.port)
+                channel = ChannelClient(self.port)
             except (ConnectionRefusedError, FileNotFoundError):
                 return None
+            try:
+                hints = ChannelClient(self.port)
+            except BaseException:
+                channel.close()
+                raise
             self._channel, self._hints, self._told = channel, hints, None
             self.tell_wanted()
         return self._channel

@@ -122,6 +122,19 @@ def test_a_claim_waits_for_the_message_the_supernode_stores_and_asks_it_once(sup
     assert not empty.HasField("task")
 
 
+def test_a_task_whose_message_is_still_coming_is_not_claimed(supernode: SuperNode) -> None:
+    """Flower's loop makes a message's task before it pulls the message's objects (over a slow link, seconds): a
+    claim waiting over the channel is answered once the message is stored, not when its task appears."""
+    supernode.deliver()  # an earlier message, claimed: the channel's connection has seen a claim
+    client = ChannelClient(supernode.port)
+    assert client.WaitForTask(CLAIM, 5.0).HasField("task")
+    assert not client.WaitForTask(CLAIM, 0.05).HasField("task")  # nothing more: this connection saw the loop's count
+    assert supernode.state.create_task(task_type=TaskType.CLIENT_APP, run_id=RUN, fab_hash=supernode.fab.hash_str)
+    assert not client.WaitForTask(CLAIM, 0.05).HasField("task")  # its task exists, its message is not stored yet
+    supernode.signals.message_stored()  # the loop stored it
+    assert client.WaitForTask(CLAIM, 5.0).HasField("task")
+
+
 def test_a_task_is_served_over_the_channel_by_flowers_own_handlers(supernode: SuperNode) -> None:
     """What the agent's task server does with a task: its message pulled and answered over the channel, the
     SuperNode's state then listing the reply for its loop to push; the agent's hint of how many messages it takes."""
