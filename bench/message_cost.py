@@ -29,6 +29,7 @@ result.json: ``pi_core_s_per_cycle`` (both messaging cores, steady state, the me
 
 from __future__ import annotations
 
+import abc
 import argparse
 import collections
 import os
@@ -39,7 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from dga_vs_fedavg import HEADLINE, HEADLINE_DELAY
 from results import write_result
@@ -73,20 +74,16 @@ SKIPPED = 2  # a device's first messages (its first contact with the run), and a
 AIM_PI_CORE_S, AIM_PATH_RATIO, AIM_EFFICIENCY = 0.3, 1.2, 0.9
 
 
-class RoleCpu:
-    """CPU seconds each device's roles (``edgefl-<pid>-device-*``'s cgroups) have used since it was placed, read every
-    ``SAMPLE_S``: ``supernode`` its SuperNode process's, ``train`` the agent's training thread's, ``agent`` the rest
-    of the agent process's. By process, not by thread: a process's count keeps its ended threads' (each object
-    pulled or pushed runs on a thread of a pool made for that call)."""
+class Sampler(abc.ABC):
+    """A thread that calls ``sample`` every ``every`` seconds while the ``with`` block runs."""
+
+    every = SAMPLE_S
 
     def __init__(self) -> None:
-        self.history: list[tuple[float, dict[tuple[str, str], float]]] = []  # (when, (device, role) → CPU s)
-        self.first: dict[tuple[str, str], float] = {}  # (device, role) → its CPU seconds when first seen placed
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.pids: dict[tuple[str, str], set[int]] = collections.defaultdict(set)  # (device, role) → processes
+        self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> RoleCpu:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 
@@ -94,22 +91,41 @@ class RoleCpu:
         self.stop.set()
         self.thread.join()
 
-    def _sample(self) -> None:
-        root = cpu_hierarchy()[1]
-        while not self.stop.wait(SAMPLE_S):
-            totals = {}
-            for device in root.glob(f"edgefl-{os.getpid()}-device-*"):
-                for role in ("train", "agent", "supernode"):
-                    self.pids[device.name, role].update(_ints(device / role / "cgroup.procs"))
-                train = sum(_cpu_s(f"/proc/{tid}/task/{tid}/stat") or 0.0 for tid in _ints(device / "train" / "tasks"))
-                agent = [_cpu_s(f"/proc/{pid}/stat") for pid in _ints(device / "agent" / "cgroup.procs")]
-                supernode = [_cpu_s(f"/proc/{pid}/stat") for pid in _ints(device / "supernode" / "cgroup.procs")]
-                if None in agent or None in supernode or not (agent and supernode):
-                    continue  # not placed yet, or gone
-                for role, cpu in (("train", train), ("agent", sum(agent) - train), ("supernode", sum(supernode))):
-                    self.first.setdefault((device.name, role), cpu)
-                    totals[device.name, role] = cpu - self.first[device.name, role]
-            self.history.append((time.monotonic(), totals))
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.sample()
+
+    @abc.abstractmethod
+    def sample(self) -> None: ...
+
+
+class RoleCpu(Sampler):
+    """CPU seconds each device's roles (``edgefl-<pid>-device-*``'s cgroups) have used since it was placed, read every
+    ``SAMPLE_S``: ``supernode`` its SuperNode process's, ``train`` the agent's training thread's, ``agent`` the rest
+    of the agent process's. By process, not by thread: a process's count keeps its ended threads' (each object
+    pulled or pushed runs on a thread of a pool made for that call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[tuple[float, dict[tuple[str, str], float]]] = []  # (when, (device, role) → CPU s)
+        self.first: dict[tuple[str, str], float] = {}  # (device, role) → its CPU seconds when first seen placed
+        self.pids: dict[tuple[str, str], set[int]] = collections.defaultdict(set)  # (device, role) → processes
+        self.root = cpu_hierarchy()[1]
+
+    def sample(self) -> None:
+        totals = {}
+        for device in self.root.glob(f"edgefl-{os.getpid()}-device-*"):
+            for role in ("train", "agent", "supernode"):
+                self.pids[device.name, role].update(_ints(device / role / "cgroup.procs"))
+            train = sum(_cpu_s(f"/proc/{tid}/task/{tid}/stat") or 0.0 for tid in _ints(device / "train" / "tasks"))
+            agent = [_cpu_s(f"/proc/{pid}/stat") for pid in _ints(device / "agent" / "cgroup.procs")]
+            supernode = [_cpu_s(f"/proc/{pid}/stat") for pid in _ints(device / "supernode" / "cgroup.procs")]
+            if None in agent or None in supernode or not (agent and supernode):
+                continue  # not placed yet, or gone
+            for role, cpu in (("train", train), ("agent", sum(agent) - train), ("supernode", sum(supernode))):
+                self.first.setdefault((device.name, role), cpu)
+                totals[device.name, role] = cpu - self.first[device.name, role]
+        self.history.append((time.monotonic(), totals))
 
     def at(self, when: float) -> dict[tuple[str, str], float]:
         """The CPU seconds of each (device, role) since it was placed, as last sampled at or before ``when``."""
@@ -121,27 +137,19 @@ class RoleCpu:
         return found
 
 
-class HostDuring:
+class HostDuring(Sampler):
     """This host's n-body step (``contract.kernels``, CPU time, ``HOST``'s timing) measured every ``HOST_EVERY_S``
     while a run runs: the host's core drifts by tens of percent within minutes, so a host second is converted to a
     Pi's at the speed the host had while it was spent."""
 
+    every = HOST_EVERY_S
+
     def __init__(self) -> None:
+        super().__init__()
         self.samples: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
 
-    def __enter__(self) -> HostDuring:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def _sample(self) -> None:
-        while not self.stop.wait(HOST_EVERY_S):
-            self.samples.append(nbody_s_per_step(HOST))
+    def sample(self) -> None:
+        self.samples.append(nbody_s_per_step(HOST))
 
     def nbody_s_per_step(self) -> float:
         return statistics.median(self.samples)

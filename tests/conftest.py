@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,44 @@ import pytest
 from contract.run_folder import SUMMARY, read_rounds
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+STRANGER_UID = 65534  # nobody
+
+
+@contextlib.contextmanager
+def stranger_listening(family: socket.AddressFamily, address: object) -> Iterator[tuple[int, int]]:
+    """A socket of FAMILY bound to ADDRESS by a process of uid 65534 (root only: it forks and switches user); yields
+    (the port it is bound to, 0 for a Unix socket; the read end of a pipe on which the process writes how many bytes
+    it received on its first connection, once that connection is closed)."""
+    ready_r, ready_w = os.pipe()
+    got_r, got_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the stranger
+        try:
+            os.setuid(STRANGER_UID)
+            with socket.socket(family, socket.SOCK_STREAM) as listener:
+                listener.bind(address)
+                listener.listen()
+                listener.settimeout(60)
+                port = listener.getsockname()[1] if family == socket.AF_INET else 0
+                os.write(ready_w, port.to_bytes(2, "big"))
+                conn, _ = listener.accept()
+                conn.settimeout(60)
+                received = 0
+                while chunk := conn.recv(65536):
+                    received += len(chunk)
+                os.write(got_w, received.to_bytes(8, "big"))
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(got_w)
+    try:
+        yield int.from_bytes(os.read(ready_r, 2), "big"), got_r
+    finally:
+        os.close(ready_r)
+        os.close(got_r)
+        os.waitpid(pid, 0)
 
 
 def _cgroup_support() -> str:

@@ -34,10 +34,9 @@ from fl_client import channel as channel_module
 from fl_client.channel import ChannelClient, ChannelServer, RuntimeRefused, channel_name, why_no_channel
 from fl_client.runtime_owner import NotOurSuperNode
 from fl_client.tasks import TaskServer
-from tests.conftest import REPO
+from tests.conftest import REPO, STRANGER_UID, stranger_listening
 
 NODE, RUN = 9, 5
-STRANGER_UID = 65534  # nobody
 CLAIM = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
 
 
@@ -219,35 +218,14 @@ def test_the_agent_sends_nothing_to_a_channel_another_user_holds() -> None:
     """An abstract socket's name is whoever's binds it first: a stranger holding the device's channel name is
     refused before the agent sends a byte (NotOurSuperNode, which the agent's task server waits out)."""
     port = 40000 + secrets.randbelow(20000)
-    ready_r, ready_w = os.pipe()
-    got_r, got_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the stranger
+    with stranger_listening(socket.AF_UNIX, channel_name(port)) as (_, received):
         try:
-            os.setuid(STRANGER_UID)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-                listener.bind(channel_name(port))
-                listener.listen()
-                os.write(ready_w, b"!")
-                conn, _ = listener.accept()
-                conn.settimeout(30)
-                received = 0
-                while chunk := conn.recv(65536):
-                    received += len(chunk)
-                os.write(got_w, received.to_bytes(8, "big"))
-        finally:
-            os._exit(0)
-    os.close(ready_w)
-    os.close(got_w)
-    try:
-        assert os.read(ready_r, 1) == b"!"
-        with pytest.raises(NotOurSuperNode, match=f"held by uid {STRANGER_UID}"):
             ChannelClient(port)
-        assert int.from_bytes(os.read(got_r, 8), "big") == 0
-    finally:
-        os.close(ready_r)
-        os.close(got_r)
-        os.waitpid(pid, 0)
+        except NotOurSuperNode as refused:
+            assert f"held by uid {STRANGER_UID}" in str(refused)
+        else:
+            pytest.fail("the agent took a stranger's socket for its SuperNode's channel")
+        assert int.from_bytes(os.read(received, 8), "big") == 0
 
 
 def test_a_router_that_differs_serves_no_channel_and_says_why_in_one_line() -> None:

@@ -28,45 +28,12 @@ from fl_client import tasks
 from fl_client.app import app
 from fl_client.runtime_owner import check_own_server
 from fl_client.tasks import ABANDONED, HeldTask, TaskServer
+from tests.conftest import STRANGER_UID, stranger_listening
 
-STRANGER_UID = 65534  # nobody
 PUSH_REPLY, PUSH_OUTPUT = "/v1/runtime/push-messages", "/v1/runtime/push-task-output"
 
 
 # ----- the agent's own SuperNode only ------------------------------------------------------------------------
-@contextmanager
-def _strangers_port() -> Iterator[tuple[int, int]]:
-    """A port on 127.0.0.1 that a process of uid 65534 listens on; yields (port, read end of a pipe on which the
-    process writes how many bytes it received on the first connection, once that connection is closed)."""
-    ready_r, ready_w = os.pipe()
-    got_r, got_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the stranger
-        try:
-            os.setuid(STRANGER_UID)
-            with socket.socket() as listener:
-                listener.bind(("127.0.0.1", 0))
-                listener.listen()
-                listener.settimeout(60)
-                os.write(ready_w, listener.getsockname()[1].to_bytes(2, "big"))
-                conn, _ = listener.accept()
-                conn.settimeout(60)
-                received = 0
-                while chunk := conn.recv(65536):
-                    received += len(chunk)
-                os.write(got_w, received.to_bytes(8, "big"))
-        finally:
-            os._exit(0)
-    os.close(ready_w)
-    os.close(got_w)
-    try:
-        yield int.from_bytes(os.read(ready_r, 2), "big"), got_r
-    finally:
-        os.close(ready_r)
-        os.close(got_r)
-        os.waitpid(pid, 0)
-
-
 @contextmanager
 def _runtime_api() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
     """A stand-in Runtime API of this user on 127.0.0.1: every request is answered with an empty protobuf
@@ -112,7 +79,7 @@ def test_the_agent_sends_nothing_to_a_runtime_api_port_another_user_holds() -> N
     logger = logging.getLogger("edgefl.tasks")
     logger.addHandler(refusal)
     try:
-        with _strangers_port() as (port, received):
+        with stranger_listening(socket.AF_INET, ("127.0.0.1", 0)) as (port, received):
             serving = threading.Thread(target=TaskServer(f"127.0.0.1:{port}", app, b"secret").serve, args=(stop,))
             serving.start()
             serving.join(timeout=60)
