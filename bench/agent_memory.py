@@ -135,9 +135,10 @@ def as_edgefl_client_starts_it(dataset: str, model: str, args: argparse.Namespac
                           "--ready-file", str(out / f"client-{i}.ready")) for i in range(args.clients)]  # fmt: skip
         for i, client in enumerate(clients):
             ready(out / f"client-{i}.ready", client)
-        run_dir = out / "run"
+        run_dir = out / "run"  # submitted to the SuperLink on this machine, as the server's ready file says to
+        local = (out / "server.ready").read_text().split("--federation remote --server ")[1].split()[0]
         submitted = subprocess.run(
-            [sys.executable, "-m", "edgefl.cli", "run", "--federation", "remote", "--server", address, "--insecure",
+            [sys.executable, "-m", "edgefl.cli", "run", "--federation", "remote", "--server", local, "--insecure",
              "--dataset", dataset, "--model", model, "--partition", args.partition, "--clients", str(args.clients),
              "--rounds", str(args.rounds), "--local-steps", str(args.local_steps), "--eval-examples",
              str(args.eval_examples), "--out", str(run_dir)], capture_output=True, text=True)  # fmt: skip

@@ -4,7 +4,8 @@ Flower's Simulation Engine with the virtual clock timing the deployment's pipeli
 each round starts once the agent's trainer is free and a global model it may start from has reached the device,
 each update leaves as soon as it is trained). Then the grid's testbed spot checks: grid points that real
 deployments on the namespaced testbed ran with the same settings (the main job's ``edgefl compare`` runs and
-``bench/dga_vs_fedavg.py``'s seed 0), seconds per round side by side (aim: within 10 %).
+``bench/dga_vs_fedavg.py``'s seed 0), each simulated again with its testbed run's round training T as the
+clock's unit (``simulate_spots``, under OUT/spots), seconds per round side by side (aim: within 10 %).
 
 The target: the CNN's is the main job's (0.78), LEAF's LSTM's its FedAvg's final accuracy (mean of its last 3
 evaluations) less 1 point (as ``bench/dga_vs_fedavg.py``'s), a run counted as there when the mean of 3 consecutive
@@ -14,7 +15,7 @@ evaluations reaches it. T is the clock's: a round's K local steps at the device'
         [--runs runs]   # the testbed's runs of the spot checks: runs/compare, runs/bench-dga-vs-fedavg/seed-0
 
 Writes OUT/result.md, OUT/result.json, OUT/regimes.png (the heat map: speedup to target by R/T and D) and one
-simulated run folder per grid point.
+simulated run folder per grid point and per spot check.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ SPOTS = {  # testbed run folders with a grid point's settings: (model, link, dev
 }
 
 
+SPOTS_DIR = "spots"  # under OUT: the spot checks' simulations, each with its testbed run's T as the clock's unit
+
+
 def point_dir(out: Path, model: str, link: str, device: str, strategy: str) -> Path:
     return out / model / f"{link}+{device}" / strategy.replace(":", "-")
 
@@ -79,8 +83,6 @@ def main() -> int:
                         "from what OUT holds")  # fmt: skip
     args = parser.parse_args()
     interrupt_on_signals()
-    if args.spots_only:
-        simulate_spots(args.runs, args.out)
     strategies = ["fedavg", *(f"dga:{d}" for d in args.delays.split(","))]
     models = args.models.split(",")
     units = {  # this host's step of each model, measured before any run loads the machine
@@ -106,7 +108,9 @@ def main() -> int:
                         runs[strategy] = load_run(folder)
                 if "fedavg" in runs and len(runs) > 1:
                     points += grid_points(model, link, device, runs)
-    spots = spot_checks(args.runs, args.out)
+    if not args.report_only:
+        simulate_spots(args.runs, args.out / SPOTS_DIR)
+    spots = spot_checks(args.runs, args.out / SPOTS_DIR)
     text, figures = report(points, spots, args.out)
     write_result(args.out, text, figures)
     return 0
@@ -139,7 +143,7 @@ def grid_points(model: str, link: str, device: str, runs: dict[str, tuple[dict, 
     fed, fed_rows = runs["fedavg"]
     target = SETTINGS[model].get("target_accuracy") or tail_mean(fed_rows) - 0.01
     fed_t = time_to_target(fed_rows, target)
-    path_s, round_s = fed["message_path_s"], clock_round_s(fed)
+    path_s, round_s = fed["message_path_s"], fed["round_train_s"]  # T: the clock's, as the run recorded it
     rows = []
     for strategy, (summary, rows_) in runs.items():
         if strategy == "fedavg":
@@ -157,13 +161,6 @@ def grid_points(model: str, link: str, device: str, runs: dict[str, tuple[dict, 
     return rows
 
 
-def clock_round_s(summary: dict[str, Any]) -> float:
-    """T of a simulated run: a round's K local steps on its device as the clock times them (this host's step over
-    the device's share of a core)."""
-    device = device_profile(summary["device_profile"])
-    return summary["local_steps"] * device.step_s(summary["clock"]["host_step_s"])
-
-
 def spot_checks(runs_root: Path, out: Path) -> list[dict[str, Any]]:
     """Seconds per round on the testbed against the simulated grid point with the same settings."""
     found = []
@@ -177,7 +174,7 @@ def spot_checks(runs_root: Path, out: Path) -> list[dict[str, Any]]:
             "testbed_s_per_round": real["seconds_per_round"], "simulated_s_per_round": sim["seconds_per_round"],
             "error": sim["seconds_per_round"] / real["seconds_per_round"] - 1,
             "testbed_r_s": real["message_path_s"], "simulated_r_s": sim["message_path_s"],
-            "testbed_t_s": real["round_train_s"], "simulated_t_s": clock_round_s(sim),
+            "testbed_t_s": real["round_train_s"], "simulated_t_s": sim["round_train_s"],
         })  # fmt: skip
     return found
 

@@ -149,18 +149,17 @@ def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, n
 
     The decoded data is cached on disk as a .npy file keyed by the file's path, size and modification time
     (gunzipping Fashion-MNIST's training images takes a core ~1.5 s), its histogram beside it: the command, the
-    server and each device on this machine decode it once, and then map the cache and copy only ``keep``'s rows (a
-    device never holds the whole split). The idx file itself is read a MB at a time; a cache that cannot be written
-    is skipped."""
+    server and each device on this machine decode it once, and then read the cache a MB at a time keeping only
+    ``keep``'s rows (a device never holds the whole split, not even mapped: a map's touched pages count in its
+    resident memory). The idx file itself is read a MB at a time; a cache that cannot be written is skipped."""
     try:
         stat = path.resolve().stat()
         key = hashlib.sha256(f"{path.resolve()}/{stat.st_size}/{stat.st_mtime_ns}".encode()).hexdigest()[:24]
         cached = cache_dir() / "idx" / f"{path.name}-{key}.npy"
         counted = cached.with_name(f"{cached.stem}.counts.npy")  # the histogram of the cached bytes
-        if cached.is_file() and counted.is_file():
-            data = np.load(cached, mmap_mode="r")
-            return np.array(data if keep is None else data[keep]), np.load(counted)
-        if cached.is_file():  # cached before its histogram was
+        if cached.is_file() and counted.is_file() and keep is None:
+            return np.load(cached), np.load(counted)
+        if cached.is_file():  # a MB at a time: a map of the whole file counts in the process's resident memory
             with open(cached, "rb") as file:
                 np.lib.format.read_magic(file)  # written here, as version 1.0
                 shape = np.lib.format.read_array_header_1_0(file)[0]
@@ -179,7 +178,7 @@ def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, n
                     rows, counts = _read_rows(file, shape, keep, path, sink)
     except OSError as err:
         raise DataError(f"cannot read {path}: {one_line(err)}") from err
-    if cached.is_file():
+    if cached.is_file() and not counted.is_file():
         with contextlib.suppress(OSError), cache_file(counted) as sink:
             if sink is not None:
                 np.save(sink, counts, allow_pickle=False)
