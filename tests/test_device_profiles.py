@@ -154,10 +154,12 @@ def test_a_profile_written_under_the_rpi4_caps_is_an_rpi4(tmp_path: Path) -> Non
     times: capped, DGEMM runs at rpi4's training share (~1/7 of the core), and n-body at its messaging share
     (~1/3 of the core here), well above the training core's."""
     path = tmp_path / "emulated-pi.json"
-    uncapped = kernels.measure()
+    before = kernels.measure()
     done = edgefl("edge", "bench", "digits", "--device-profile", "rpi4", "--write-profile", str(path),
                   "--profile-name", "emulated", "--seconds", "0.3")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    after = kernels.measure()  # the host's core, uncapped, at its faster of two moments around the capped run
+    uncapped = max(before, after, key=lambda speeds: speeds.dgemm_gflops)
     written = load_profile_file(path)
     assert written.name == "emulated" and written.cores == 4
     step = written.train_step
