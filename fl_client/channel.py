@@ -178,9 +178,7 @@ class ChannelServer:
         if hinted:  # the agent that told what it wanted is gone: its SuperNode polls as for one that wants a message
             self.signals.want(1)
 
-    def handle(
-        self, method: str, token: str, wait_s: float, body: bytes, seen: Seen | None = None
-    ) -> tuple[int, bytes]:
+    def handle(self, method: str, token: str, wait_s: float, body: bytes, seen: Seen) -> tuple[int, bytes]:
         """(status, body) of one call: Flower's handler's response, or the reason it was refused; ``seen``: what its
         connection's last claim saw (``WaitForTask``)."""
         from contract.flower import FlowerError
@@ -197,7 +195,7 @@ class ChannelServer:
             if state is None:  # the loop has not started: no task exists yet
                 return (REFUSED, b"no such task") if needs_task else (OK, b"")
             if method == WAIT_FOR_TASK:
-                response = self._wait_for_task(handler, request, state, wait_s, seen or Seen())
+                response = self._wait_for_task(handler, request, state, wait_s, seen)
             elif needs_task:
                 task = state.get_task_by_token(token) if token else None
                 if task is None:

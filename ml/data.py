@@ -157,13 +157,16 @@ def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, n
         key = hashlib.sha256(f"{path.resolve()}/{stat.st_size}/{stat.st_mtime_ns}".encode()).hexdigest()[:24]
         cached = cache_dir() / "idx" / f"{path.name}-{key}.npy"
         counted = cached.with_name(f"{cached.stem}.counts.npy")  # the histogram of the cached bytes
-        if cached.is_file() and counted.is_file() and keep is None:
+        has_counts = counted.is_file()
+        if cached.is_file() and has_counts and keep is None:
             return np.load(cached), np.load(counted)
         if cached.is_file():  # a MB at a time: a map of the whole file counts in the process's resident memory
             with open(cached, "rb") as file:
                 np.lib.format.read_magic(file)  # written here, as version 1.0
                 shape = np.lib.format.read_array_header_1_0(file)[0]
-                rows, counts = _read_rows(file, shape, keep, cached)
+                rows, counts = _read_rows(file, shape, keep, cached, count=not has_counts)
+            if has_counts:
+                return rows, np.load(counted)
         else:
             with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
                 magic = file.read(4)
@@ -178,7 +181,7 @@ def _read_idx(path: Path, keep: np.ndarray | None = None) -> tuple[np.ndarray, n
                     rows, counts = _read_rows(file, shape, keep, path, sink)
     except OSError as err:
         raise DataError(f"cannot read {path}: {one_line(err)}") from err
-    if cached.is_file() and not counted.is_file():
+    if cached.is_file() and not has_counts:
         with contextlib.suppress(OSError), cache_file(counted) as sink:
             if sink is not None:
                 np.save(sink, counts, allow_pickle=False)
@@ -207,10 +210,16 @@ def cache_file(path: Path) -> Iterator[BinaryIO | None]:
 
 
 def _read_rows(
-    file: BinaryIO, shape: tuple[int, ...], keep: np.ndarray | None, path: Path, sink: BinaryIO | None = None
+    file: BinaryIO,
+    shape: tuple[int, ...],
+    keep: np.ndarray | None,
+    path: Path,
+    sink: BinaryIO | None = None,
+    count: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows ``keep`` (all for None) of ``shape``'s uint8 data read from ``file`` a MB at a time, and the byte
-    histogram of all of it; each chunk is also written to ``sink``."""
+    histogram of all of it (zeros when not ``count``: the cache's is on disk); each chunk is also written to
+    ``sink``."""
     row_size = math.prod(shape[1:])
     per_chunk = max(1, (1 << 20) // row_size)
     kept = np.empty((shape[0] if keep is None else len(keep), row_size), dtype=np.uint8)
@@ -221,7 +230,8 @@ def _read_rows(
             raise DataError(f"{path} is truncated: its header says {shape}")
         if sink is not None:
             sink.write(chunk.tobytes())
-        counts += np.bincount(chunk, minlength=256)
+        if count:
+            counts += np.bincount(chunk, minlength=256)
         rows = chunk.reshape(-1, row_size)
         wanted = np.arange(done, done + len(rows)) if keep is None else keep[(keep >= done) & (keep < done + len(rows))]
         kept[out : out + len(wanted)] = rows[wanted - done]
