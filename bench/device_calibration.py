@@ -9,16 +9,16 @@ convolutions, so torch eager is expected slower), and a training step of LEAF's 
 ~3.8 GFLOP), whose emulated FLOP rate is printed against the Cortex-A72's peak (12 GFLOP/s of float32 at
 1.5 GHz). Each is timed over ``contract.kernels.DEVICE_WINDOW_S`` of wall time (a quota is a rate over 100 ms
 periods). Per kernel: emulated, published, their ratio, the source, and whether it sets a share; the shares
-are set from the host's speed measured at run time — here just before each kernel, as this host drifts, and each
-setting kernel is tried until ``REPEATS`` tries over which the host's own speed on it held within ``HOST_STEADY``
-(measured again after each try; this host's moved 2x within a minute) count, their median kept — so the setting
-kernels should land within ``AIM``.
+are set from the host's speed measured at run time and follow it while the kernel runs (``edge.devices.HostFollower``:
+every 2 s one of this host's CPUs in turn probed, the quotas set from their mean; this host's cores moved 2x
+within a minute and apart from each other), and each setting kernel is the median of ``REPEATS`` tries — so the
+setting kernels should land within ``AIM``.
 
     python bench/device_calibration.py [--profiles rpi4,rpi3] [--out runs/bench-device-calibration]
 
-result.json: ``hosts`` (this host's speeds, measured before each kernel: it drifts by tens of percent within
-minutes), ``shares`` per profile (at its first kernel), and ``kernels`` per profile: per kernel ``emulated``,
-``tries``, ``unsteady_tries``, ``published``, ``ratio``, ``unit``, ``source``, ``sets_share``; and ``within_aim``
+result.json: ``hosts`` (the speeds the caps were set from, in order: this host drifts by tens of percent within
+minutes), ``shares`` per profile (at the end of its first kernel), and ``kernels`` per profile: per kernel
+``emulated``, ``tries``, ``published``, ``ratio``, ``unit``, ``source``, ``sets_share``; and ``within_aim``
 (every setting kernel of every profile within ``AIM``).
 """
 
@@ -42,13 +42,11 @@ from contract.devices import (
     PUBLISHED_SOURCES,
     device_profile,
 )
-from contract.kernels import DEVICE, host_speeds
-from edge.devices import DeviceCaps
+from contract.kernels import DEVICE
+from edge.devices import FOLLOW_EVERY_S, DeviceCaps, HostFollower
 
 AIM = 0.20
-REPEATS = 3  # tries of a kernel that sets a share, each after its own measurement of the host: their median
-HOST_STEADY = 0.10  # a try counts when the host's speed on its kernel, measured again after it, moved at most this
-MOST_ATTEMPTS = 8  # tries of a kernel, counted or not; with no steady one the median of all is kept
+REPEATS = 3  # tries of a kernel that sets a share: their median
 A72_FP32_PEAK_GFLOPS = 12.0  # 8 FLOP/cycle (one 128-bit NEON FMA) at 1.5 GHz
 PI4_STREAM_TRIAD_MBS = 4844.0  # gcc -O3, one thread, headless Pi 4: sci-pi.org.uk/bench/stream.html
 TRIAD_N = 4_000_000  # three arrays of 32 MB: far beyond any cache
@@ -91,28 +89,22 @@ def main() -> int:
         figures[name] = {}
         for kernel, (role, unit, higher) in KERNELS.items():
             value, source, sets = published(name, profile.speeds)[kernel]
-            tries, unsteady = [], []
-            while len(tries) < (REPEATS if sets else 1) and len(tries) + len(unsteady) < MOST_ATTEMPTS:
-                host = host_speeds(max_age_s=0)  # just before, as a run measures it at its start: this host drifts
-                hosts.append(asdict(host))
-                shares = profile.shares(host)
-                shares_of.setdefault(name, asdict(shares))
-                print(f"== {name}, {kernel}: this host DGEMM {host.dgemm_gflops:.1f} GFLOP/s, n-body "
-                      f"{host.nbody_s_per_step * 1e6:.2f} µs a step; training core {shares.train:.4f}, messaging "
-                      f"cores {shares.message:.4f} of its core", flush=True)  # fmt: skip
-                with DeviceCaps(shares, "calibration", tag=f"bench{os.getpid()}") as caps:
+            tries = []
+            for _ in range(REPEATS if sets else 1):
+                caps = DeviceCaps(profile.shares(), "calibration", tag=f"bench{os.getpid()}")
+                with caps, HostFollower([(caps, profile)]) as follower:
                     figure = run_capped(kernel, role, caps)
-                moved = host_moved(host, kernel) if sets else 0.0
-                if moved > HOST_STEADY:
-                    unsteady.append(figure)
-                    print(f"   the host's {kernel} moved {moved:.0%} during the try: not counted", flush=True)
-                else:
-                    tries.append(figure)
-            emulated = statistics.median(tries or unsteady)
+                tries.append(figure)
+                hosts += [asdict(host) for host in follower.samples]
+                shares_of.setdefault(name, asdict(caps.shares))
+                print(f"   {kernel}: {figure:.4g} {unit}, caps set {len(follower.samples)} times from this host's "
+                      f"DGEMM {_range(follower.samples, 'dgemm_gflops', 1)} GFLOP/s, n-body "
+                      f"{_range(follower.samples, 'nbody_s_per_step', 1e6)} µs a step", flush=True)  # fmt: skip
+            emulated = statistics.median(tries)
             ratio = None if value is None else emulated / value
             off = None if ratio is None else (ratio - 1 if higher else 1 / ratio - 1)  # > 0: the emulation is fast
             within &= not sets or (off is not None and abs(off) <= AIM)
-            figures[name][kernel] = {"emulated": emulated, "tries": tries, "unsteady_tries": unsteady,
+            figures[name][kernel] = {"emulated": emulated, "tries": tries,
                                      "published": value, "ratio": ratio, "unit": unit, "speed_off": off,
                                      "source": source, "sets_share": sets}  # fmt: skip
             speed_off = "—" if off is None else f"{off:+.0%}"
@@ -121,16 +113,15 @@ def main() -> int:
             print(f"   {kernel}: {emulated:.4g} {unit} (published {_g(value)})", flush=True)
     dgemm, nbody = (sorted(h[k] for h in hosts) for k in ("dgemm_gflops", "nbody_s_per_step"))
     text = "\n".join([
-        f"This host, measured just before each kernel (CPU time, the median of short runs): DGEMM {dgemm[0]:.1f} to "
-        f"{dgemm[-1]:.1f} GFLOP/s, n-body {nbody[0] * 1e6:.2f} to {nbody[-1] * 1e6:.2f} µs a step on one core. Each "
-        f"kernel on one core of the emulated device's cgroups, its caps set from that measurement, timed over "
-        f"{DEVICE.window_s:.0f} s of wall time (a kernel that sets a share: the median of {REPEATS} tries over which "
-        f"the host's own speed on it moved at most {HOST_STEADY:.0%}, measured again after each; "
-        f"{sum(len(f['unsteady_tries']) for p in figures.values() for f in p.values())} tries were not counted); "
+        f"This host's speed the caps were set from (CPU time, a short probe of one CPU every "
+        f"{FOLLOW_EVERY_S:.0f} s, the CPUs' mean): DGEMM {dgemm[0]:.1f} to {dgemm[-1]:.1f} GFLOP/s, n-body "
+        f"{nbody[0] * 1e6:.2f} to {nbody[-1] * 1e6:.2f} µs a step on one core. Each kernel on one core of the emulated "
+        f"device's cgroups, its caps following that speed, timed over {DEVICE.window_s:.0f} s of wall time (a "
+        f"kernel that sets a share: the median of {REPEATS} tries); "
         "speed off: + the emulation is faster than the Pi, − slower.",
         "",
-        *(f"- {n}: training core {s['train']:.4f}, messaging cores {s['message']:.4f} of this host's core (at its "
-          "first kernel)" for n, s in shares_of.items()),
+        *(f"- {n}: training core {s['train']:.4f}, messaging cores {s['message']:.4f} of this host's core (at the "
+          "end of its first kernel)" for n, s in shares_of.items()),
         "",
         "| profile | kernel | unit | emulated | published | emulated / published | speed off | sets a share | source |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -143,10 +134,9 @@ def main() -> int:
     return 0 if within else 1
 
 
-def host_moved(before: Any, kernel: str) -> float:
-    """How far this host's own speed on a share-setting ``kernel`` moved between ``before`` and now."""
-    field = {"dgemm": "dgemm_gflops", "nbody": "nbody_s_per_step"}[kernel]
-    return abs(getattr(host_speeds(max_age_s=0), field) / getattr(before, field) - 1)
+def _range(samples: list[Any], field: str, scale: float) -> str:
+    values = sorted(getattr(sample, field) * scale for sample in samples)
+    return f"{values[0]:.2f}-{values[-1]:.2f}"
 
 
 def run_capped(kernel: str, role: str, caps: DeviceCaps) -> float:

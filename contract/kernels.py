@@ -40,6 +40,7 @@ RUNS = 31  # on the host: many short runs by CPU time, their median (a few slowe
 DEVICE_WINDOW_S = 2.0  # on a device: runs over this much wall time, averaged (a CPU quota is a rate over 100 ms
 # periods: a short run that fits in one period's quota would see the uncapped core)
 HOST_SPEED_MAX_AGE_S = 600.0
+PROBE_RUNS = 5  # a probe of the host while devices run (edge.devices.HostFollower): few runs, ~60 ms in all here
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Timing:
         return sorted(times)[len(times) // 2]
 
 
+PROBE = Timing(time.thread_time, runs=PROBE_RUNS)
 HOST = Timing(time.thread_time)  # this thread's CPU time: other threads and processes do not make it look slow
 DEVICE = Timing(time.perf_counter, window_s=DEVICE_WINDOW_S)  # wall time, under a device's caps or on a device
 
@@ -134,6 +136,12 @@ def nbody_s_per_step(timing: Timing = DEVICE, steps: int = NBODY_STEPS) -> float
 def measure(timing: Timing = DEVICE) -> KernelSpeeds:
     """Both kernels in this process's calling thread (``DEVICE``: under a device's caps, or on a device)."""
     return KernelSpeeds(dgemm_gflops(timing), nbody_s_per_step(timing))
+
+
+def probe_host_speeds() -> KernelSpeeds:
+    """This host's speed now, from a short probe by CPU time (``PROBE``), not cached: what a device's quotas follow
+    while it runs."""
+    return measure(PROBE)
 
 
 def host_speeds(max_age_s: float = HOST_SPEED_MAX_AGE_S) -> KernelSpeeds:

@@ -29,7 +29,7 @@ def bench_command(args: argparse.Namespace) -> int:
     profile = device_profile(args.device_profile)
     shares = profile.shares()
     target = load_target(args.target, args.data_dir, args.model_name)
-    with DeviceCaps(shares, "bench") as cap:
+    with DeviceCaps(shares, "bench") as cap:  # a few seconds, this process on the device: no HostFollower in it
         if args.write_profile:
             record = device_figures(target, args.batch_size, args.profile_name, cap)
             args.write_profile.write_text(json.dumps(record, indent=2) + "\n")

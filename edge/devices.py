@@ -11,6 +11,9 @@ while the next round trains. The agent trains on one thread
 bandwidth or thermal throttling. cgroup v1 (``cpu.cfs_quota_us``, a thread placed through ``tasks``) and cgroup v2
 (``cpu.max``, the three roles as threaded cgroups) are supported; this project's machines run v1.
 
+A quota is a share of whatever speed the host's core has that moment; ``HostFollower`` keeps the shares following
+this host's speed while the devices run.
+
 The profiles themselves (``DEVICE_PROFILES``, ``device_profile``) and their calibration are
 ``contract.devices``'s, one table that the fleet and a simulation's clock (``netem``) read too.
 """
@@ -21,7 +24,9 @@ import contextlib
 import errno
 import json
 import os
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from contract.devices import (  # noqa: F401 (re-exported)
     DeviceShares,
     device_profile,
 )
+from contract.kernels import KernelSpeeds, probe_host_speeds
 
 MOUNTS = Path("/proc/self/mounts")
 PERIOD_US = 100_000
@@ -41,6 +47,7 @@ REMOVE_TIMEOUT_S = 10.0  # for a device's cgroup to empty: a killed process leav
 REMOVE_POLL_S = 0.02
 ROLES = ("train", "agent", "supernode")  # one device core each (DeviceCaps)
 MESSAGING_ROLES = ("agent", "supernode")  # at the messaging share; "train" at the training share
+FOLLOW_EVERY_S = 2.0  # how often a device's quotas are set again from this host's speed (HostFollower)
 
 
 def cpu_hierarchy() -> tuple[int, Path]:
@@ -140,6 +147,22 @@ class DeviceCaps:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def set_shares(self, shares: DeviceShares) -> None:
+        """Set the device's quotas again (``HostFollower``: this host's core changed speed); a lower quota is
+        written child first and a higher one parent first, as cgroup v1 refuses a child above its parent."""
+        if self.path is None or shares.device is None:
+            return
+        path = self.path
+        parent_first = shares.device > (self.shares.device or 0.0)
+        writes = [(path / role, shares.message if role in MESSAGING_ROLES else shares.train) for role in ROLES]
+        writes = [(path, shares.device), *writes] if parent_first else [*writes, (path, shares.device)]
+        try:
+            for folder, cores in writes:
+                self._set_quota(folder, cores)
+        except OSError as err:
+            raise DeviceError(f"cannot set the quota of cgroup {path} again: {err.strerror}") from None
+        self.shares = shares
+
     def _set_quota(self, path: Path, cores: float) -> None:
         quota_us = round(cores * PERIOD_US)
         if self._version == 1:
@@ -204,3 +227,85 @@ def _remove(folder: Path, root: Path) -> None:
     raise DeviceError(
         f"cannot remove cgroup {folder}: processes {', '.join(left)} stayed in it for {REMOVE_TIMEOUT_S:.0f} s"
     )
+
+
+class HostFollower:
+    """Keeps emulated devices at their profiles' speed while this host's cores change speed: a quota is a share of
+    whatever speed the core has, and a cloud host's one-core DGEMM moved 29.6-68.5 GFLOP/s within minutes here,
+    its two cores apart from each other (at one moment 45 and 65 GFLOP/s). On a thread of its own, every
+    ``every_s`` one of this process's CPUs in turn is probed (``contract.kernels.probe_host_speeds``, the thread
+    pinned to it: by CPU time, a few short runs of each reference kernel, ~50 ms here), and each device's quotas
+    set again from its profile (share = host / device, ``DeviceProfile.shares``) at the mean of the CPUs' latest
+    speeds (``mean_speeds``: a device's threads run on any of them). Entered after the devices' caps, so that it
+    stops before they are removed; a device whose quota cannot be set again stops it, said in one line to ``say``.
+
+    ``samples`` holds the speeds it set the quotas from, in order."""
+
+    def __init__(
+        self,
+        devices: Sequence[tuple[DeviceCaps, DeviceProfile]],
+        every_s: float = FOLLOW_EVERY_S,
+        probe: Callable[[], KernelSpeeds] = probe_host_speeds,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.devices = [(caps, profile) for caps, profile in devices if caps.path is not None]
+        self.every_s = every_s
+        self.probe = probe
+        self.say = say
+        self.samples: list[KernelSpeeds] = []
+        self._cpus = sorted(os.sched_getaffinity(0))
+        self._latest: dict[int, KernelSpeeds] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> HostFollower:
+        if self.devices:
+            self._thread = threading.Thread(target=self._follow, name="edgefl-host-follower", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def follow_once(self, cpu: int) -> KernelSpeeds:
+        """Probe ``cpu`` (the calling thread pinned to it meanwhile), set every device's quotas from the mean of
+        every CPU's latest speeds; returns that mean."""
+        allowed = os.sched_getaffinity(0)  # 0: the calling thread only
+        os.sched_setaffinity(0, {cpu})
+        try:
+            self._latest[cpu] = self.probe()
+        finally:
+            os.sched_setaffinity(0, allowed)
+        host = mean_speeds(list(self._latest.values()))
+        for caps, profile in self.devices:
+            caps.set_shares(profile.shares(host))
+        self.samples.append(host)
+        return host
+
+    def _follow(self) -> None:
+        for cpu in self._cpus:  # every CPU once before the first wait: the quotas start from all of them
+            if not self._follow_or_stop(cpu):
+                return
+        turn = 0
+        while not self._stop.wait(self.every_s):
+            if not self._follow_or_stop(self._cpus[turn % len(self._cpus)]):
+                return
+            turn += 1
+
+    def _follow_or_stop(self, cpu: int) -> bool:
+        try:
+            self.follow_once(cpu)
+        except DeviceError as exc:
+            self.say(f"device quotas no longer follow this host's speed: {exc}")
+            return False
+        return True
+
+
+def mean_speeds(speeds: Sequence[KernelSpeeds]) -> KernelSpeeds:
+    """The speed of a thread that spends equal time on CPUs of these speeds: the mean of each kernel's rate."""
+    dgemm = sum(s.dgemm_gflops for s in speeds) / len(speeds)
+    nbody_rate = sum(1 / s.nbody_s_per_step for s in speeds) / len(speeds)
+    return KernelSpeeds(dgemm, 1 / nbody_rate)

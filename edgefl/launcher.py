@@ -41,7 +41,7 @@ from contract.run_folder import (
     remote_folder_name,
 )
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
-from edge.devices import NO_CAP, AgentThreads, DeviceCaps, DeviceError, cpu_hierarchy
+from edge.devices import NO_CAP, AgentThreads, DeviceCaps, DeviceError, HostFollower, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_server_certs
 from edgefl.forkserver import ForkServer, ServedCommand, write_shim
 from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
@@ -350,9 +350,10 @@ def submit(
 def device_caps(
     config: RunConfig, stack: contextlib.ExitStack, progress: Callable[[str], None]
 ) -> tuple[list[DeviceCaps], str]:
-    """Each client's emulated device (``edge.devices.DeviceCaps``, entered on ``stack``), and how they are
-    emulated, for the run's record: "none" (no profile caps anything), "cgroup-v1" / "cgroup-v2", or "uncapped:
-    REASON" when this machine cannot cap a CPU (said in one line; the run goes on uncapped)."""
+    """Each client's emulated device (``edge.devices.DeviceCaps``, entered on ``stack`` with a ``HostFollower``
+    that sets their quotas again as this host's speed moves), and how they are emulated, for the run's record:
+    "none" (no profile caps anything), "cgroup-v1" / "cgroup-v2", or "uncapped: REASON" when this machine cannot
+    cap a CPU (said in one line; the run goes on uncapped)."""
     devices = devices_for(config) if app_for(config) == "edgefl" else []  # Flower's own clients stay uncapped
     uncapped = [DeviceCaps(NO_CAP, "none")] * config.clients
     if all(device.speeds is None for device in devices):
@@ -366,6 +367,7 @@ def device_caps(
             progress(f"device profiles not applied, running uncapped: {exc}")
             return uncapped, f"uncapped: {exc}"
         stack.enter_context(trial.pop_all())
+    stack.enter_context(HostFollower(list(zip(caps, devices, strict=True)), say=progress))
     return caps, f"cgroup-v{cpu_hierarchy()[0]}"
 
 

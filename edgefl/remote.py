@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.settings import ConfigError, RunConfig, parse_address
-from edge.devices import AgentThreads, DeviceCaps, device_profile
+from edge.devices import AgentThreads, DeviceCaps, HostFollower, device_profile
 from edgefl.certs import (
     CertError,
     ServerCerts,
@@ -331,8 +331,9 @@ def join(spec: ClientSpec, progress: Callable[[str], None], ready: ReadyFile | N
     or if the agent does not start."""
     spec.check()
     with contextlib.ExitStack() as stack:
-        shares = device_profile(spec.device_profile).shares()
-        cap = stack.enter_context(DeviceCaps(shares, f"client-{spec.partition_id}"))
+        profile = device_profile(spec.device_profile)
+        cap = stack.enter_context(DeviceCaps(profile.shares(), f"client-{spec.partition_id}"))
+        stack.enter_context(HostFollower([(cap, profile)], say=progress))
         reach_superlink(spec.server, spec.root_cert, spec.connect_timeout_s)
         logs = spec.folder / "logs"
         shutil.rmtree(logs, ignore_errors=True)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from contract.kernels import KernelSpeeds
 from edge.devices import (
     MESSAGING_ROLES,
     NO_CAP,
@@ -21,8 +23,10 @@ from edge.devices import (
     DeviceCaps,
     DeviceError,
     DeviceShares,
+    HostFollower,
     cpu_hierarchy,
     device_profile,
+    mean_speeds,
 )
 from tests.conftest import needs_cgroups
 
@@ -211,3 +215,71 @@ def test_a_machine_that_cannot_cap_a_cpu_runs_uncapped_and_says_so_once(monkeypa
     with contextlib.ExitStack() as stack:
         _, backend = launcher.device_caps(build_config(clients=2), stack, said.append)
     assert backend == "none" and len(said) == 1  # laptops: nothing to cap, nothing said
+
+
+FAST_HOST, SLOW_HOST = KernelSpeeds(96.0, 3e-6), KernelSpeeds(12.0, 20e-6)  # rpi4's shares: tiny, then large
+
+
+def _quotas(caps: DeviceCaps) -> DeviceShares:
+    assert caps.path is not None
+    return DeviceShares(_quota(caps.path / "train"), _quota(caps.path / "agent"), caps.shares.cores)
+
+
+@pytest.mark.root
+@needs_cgroups
+def test_a_devices_quotas_follow_this_hosts_speed_both_ways() -> None:
+    """The follower sets a device's quotas from its profile at the mean of its CPUs' latest speeds; on a slow host
+    the new messaging quota is above the device's old whole quota, which cgroup v1 refuses unless the device's
+    own quota is raised first, and going back down writes the children first."""
+    rpi4 = device_profile("rpi4")
+    probes, cpus = iter([FAST_HOST, SLOW_HOST, FAST_HOST, FAST_HOST]), os.sched_getaffinity(0)
+    first, second = sorted(cpus)[0], sorted(cpus)[-1]
+    with DeviceCaps(rpi4.shares(FAST_HOST), "follow", tag=TAG) as caps:
+        follower = HostFollower([(caps, rpi4)], probe=lambda: next(probes))
+        fast = rpi4.shares(FAST_HOST)
+        assert follower.follow_once(first) == FAST_HOST and _quotas(caps) == pytest.approx(fast, abs=1e-5)
+        slow = rpi4.shares(SLOW_HOST)
+        assert slow.message > fast.device  # the case cgroup v1 refuses in the wrong order
+        both = follower.follow_once(second)  # the other CPU slow: the mean of the two
+        assert both.dgemm_gflops == pytest.approx(54.0) and both.nbody_s_per_step == pytest.approx(
+            1 / (1 / 3e-6 + 1 / 20e-6) * 2
+        )
+        follower.follow_once(second)
+        follower.follow_once(first)
+        assert caps.shares == fast and _quotas(caps) == pytest.approx(fast, abs=1e-5)
+        caps.set_shares(slow)
+        assert _quotas(caps) == pytest.approx(slow, abs=1e-5)
+        assert _quota(caps.path) == pytest.approx(slow.device, abs=1e-5)
+        assert follower.samples == [FAST_HOST, both, FAST_HOST, FAST_HOST]
+
+
+@pytest.mark.root
+@needs_cgroups
+def test_the_follower_runs_while_entered_and_says_in_one_line_when_it_cannot_go_on() -> None:
+    """Its thread probes every CPU before the first wait and is gone once left; a device whose cgroups vanished
+    under it stops it with one line, and the run goes on."""
+    rpi4, said, probed = device_profile("rpi4"), [], threading.Event()
+
+    def probe() -> KernelSpeeds:
+        probed.set()
+        return FAST_HOST
+
+    with DeviceCaps(rpi4.shares(SLOW_HOST), "thread", tag=TAG) as caps:
+        with HostFollower([(caps, rpi4)], every_s=3600, probe=probe, say=said.append) as follower:
+            assert probed.wait(30)
+        assert not any(t.name == "edgefl-host-follower" for t in threading.enumerate())
+        assert len(follower.samples) == len(os.sched_getaffinity(0)) and caps.shares == rpi4.shares(FAST_HOST)
+        path = caps.path
+        caps.remove()
+        caps.path = path  # as if removed under the follower
+        with HostFollower([(caps, rpi4)], probe=lambda: SLOW_HOST, say=said.append):
+            pass
+        caps.path = None
+    assert len(said) == 1 and "\n" not in said[0]
+    assert said[0].startswith("device quotas no longer follow this host's speed: cannot set the quota of cgroup")
+
+
+def test_a_thread_on_cpus_of_different_speeds_runs_at_the_mean_of_their_rates() -> None:
+    mean = mean_speeds([KernelSpeeds(40.0, 4e-6), KernelSpeeds(60.0, 12e-6)])
+    assert mean.dgemm_gflops == 50.0 and mean.nbody_s_per_step == pytest.approx(6e-6)
+    assert HostFollower([(DeviceCaps(NO_CAP, "laptop"), device_profile("laptop"))]).devices == []

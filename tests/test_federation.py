@@ -127,30 +127,37 @@ HELD_QUOTA_US, HELD_PERIOD_US = 1_000, 1_000_000  # 0.1 % of a core: the smalles
 
 @contextlib.contextmanager
 def _starved(core: Path, version: int) -> Iterator[None]:
-    """While inside: the emulated device core whose cgroup is ``core`` runs at 0.1 % of a core (its CPU quota);
-    then its own quota again."""
-    files = ["cpu.cfs_period_us", "cpu.cfs_quota_us"] if version == 1 else ["cpu.max"]
-    saved = {name: (core / name).read_text().strip() for name in files}
-    if version == 1:  # a longer period first: the quota may not exceed it
-        (core / "cpu.cfs_period_us").write_text(str(HELD_PERIOD_US))
-        (core / "cpu.cfs_quota_us").write_text(str(HELD_QUOTA_US))
-    else:
-        (core / "cpu.max").write_text(f"{HELD_QUOTA_US} {HELD_PERIOD_US}")
+    """While inside: the threads on the emulated device core whose cgroup is ``core`` run at 0.1 % of a core, in a
+    cgroup of the test's own inside it (the run's ``HostFollower`` sets the core's own quota again every 2 s and
+    would undo a quota written there); then they go back to the core and that cgroup is removed."""
+    threads = "tasks" if version == 1 else "cgroup.threads"
+    held = core / f"held-{os.getpid()}"
+    held.mkdir()
     try:
+        if version == 1:  # a longer period first: the quota may not exceed it
+            (held / "cpu.cfs_period_us").write_text(str(HELD_PERIOD_US))
+            (held / "cpu.cfs_quota_us").write_text(str(HELD_QUOTA_US))
+        else:
+            (held / "cgroup.type").write_text("threaded")
+            (held / "cpu.max").write_text(f"{HELD_QUOTA_US} {HELD_PERIOD_US}")
+        for tid in (core / threads).read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                (held / threads).write_text(tid)
         yield
     finally:
-        for name in files if version == 2 else files[::-1]:  # v1: the quota back first, then its period
-            with contextlib.suppress(FileNotFoundError):  # the run ended: its cgroups are gone
-                (core / name).write_text(saved[name])
+        for tid in (held / threads).read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                (core / threads).write_text(tid)
+        held.rmdir()
 
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="the rpi3 device profile's CPU cap needs root (cgroups)")
 def test_a_round_longer_than_flowers_task_heartbeat_timeout_completes(run_dir: Path) -> None:
     """Flower fails a task that sends no heartbeat for 60 s; the agent's task heartbeats keep a long one alive. The
-    round is long because its device's training core (a Raspberry Pi 3's, a cgroup CPU cap) is held to 0.1 % of a
-    core for 64 s from the moment the agent's training thread is placed on it, while the agent's other threads go
-    on: a device starved of CPU, whatever this machine's speed, not one that burns a core of the machine for a
+    round is long because its device's training thread (on a Raspberry Pi 3's training core, a cgroup CPU cap) is
+    held to 0.1 % of a core for 64 s from the moment it is placed there, while the agent's other threads go on: a
+    device starved of CPU, whatever this machine's speed, not one that burns a core of the machine for a
     minute. The launcher places the thread once the run is submitted: the round it holds is round 1 if that had
     not ended by then, else round 2."""
     timeout_s = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL
