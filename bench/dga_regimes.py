@@ -181,7 +181,10 @@ def spot_checks(runs_root: Path, out: Path) -> list[dict[str, Any]]:
 
 def report(points: list[dict[str, Any]], spots: list[dict[str, Any]], out: Path) -> tuple[str, dict[str, Any]]:
     points = sorted(points, key=lambda p: (p["delay"], p["r_over_t"]))
-    heat_map(points, out / "regimes.png")
+    if points:
+        heat_map(points, out / "regimes.png")
+    else:
+        print(f"no grid point has runs under {out}: no map drawn (run without --spots-only first)", flush=True)
     lines = [
         "| model | link | device | R s | T s | R/T | 1 + R/T | D that hides R | D | s/round speedup | target | "
         "speedup to target | accuracy gap (points) |",

@@ -90,8 +90,8 @@ pid {folder}/nginx.pid;
 error_log {folder}/error.log notice;
 events {{ worker_connections 512; }}
 http {{
-    log_format door '$time_iso8601 $remote_addr "$request" $status $body_bytes_sent '
-                    'client-cert=$ssl_client_verify "$ssl_client_s_dn"';
+    log_format door '$time_iso8601 $remote_addr conn=$connection/$connection_requests "$request" $status '
+                    '$body_bytes_sent client-cert=$ssl_client_verify "$ssl_client_s_dn"';
     access_log {folder}/access.log door;
     client_body_temp_path {folder}/tmp/body;
     proxy_temp_path {folder}/tmp/proxy;
@@ -119,7 +119,8 @@ http {{
 
     def start(self, procs: ProcessGroup, prefix: tuple[str, ...] = ()) -> Path:
         """Start nginx in ``procs`` (inside ``prefix``, e.g. a network namespace) and return once it listens;
-        returns its folder (``access.log``: every request, with its status and client certificate)."""
+        returns its folder (``access.log``: every request, with its connection's number and its requests so far,
+        its status and client certificate)."""
         nginx = _binary("nginx")
         folder = (procs.log_dir / "gateway").resolve()  # nginx reads -c and -e relative to its prefix -p
         (folder / "tmp").mkdir(parents=True, exist_ok=True)

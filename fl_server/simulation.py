@@ -81,7 +81,7 @@ class ModelledArrivals:
         links = links_for(config) or [BUILTIN_LINKS["lan"]] * config.clients
         self.models: list[ClientModel] = client_models(links, devices_for(config), self.step_s, config.step_key)
         self.cycles: Counter[int] = Counter()  # partition → message cycles it made (the first pay slow start)
-        self.last_sent: dict[int, float] = {}  # partition → when its last message left (its models' rhythm)
+        self.last_model: dict[int, float] = {}  # partition → when its last model went either way (cold_share)
         self.timelines: dict[int, ClientTimeline] = {}  # partition → its pipeline, once the clock runs
         self.starting: dict[str, tuple[int, float]] = {}  # message → (partition, when its round starts)
         self.held: dict[int, int] = {}  # partition → the newest global round sent to it
@@ -284,11 +284,9 @@ class ModelledArrivals:
         parsed = self._on_device(parsed, partition)
         cycle_index = self.cycles[partition]
         self.cycles[partition] += 1
-        previous = self.last_sent.get(partition, sent.sent_at)
-        self.last_sent[partition] = max(previous, sent.sent_at)
-        at = sent.sent_at + self.models[partition].cycle_s(
-            sent.size.bytes, steps, size.bytes, cycle_index, sent.sent_at - previous
-        )
+        idle_s = sent.sent_at - self.last_model.get(partition, sent.sent_at)
+        at = sent.sent_at + self.models[partition].cycle_s(sent.size.bytes, steps, size.bytes, cycle_index, idle_s)
+        self.last_model[partition] = max(self.last_model.get(partition, at), at)
         heapq.heappush(self.arrivals, (at, next(self.seq), reply, parsed, size))
 
     def _on_device(self, parsed: TrainReply | str | None, partition: int, **changes: float) -> Any:

@@ -29,10 +29,13 @@ A message cycle (the server pushes a message, the client trains the rounds it br
   (:func:`slow_start_s`). Flower's SuperNode moves a message's objects (Message, RecordDict, ConfigRecord:
   ``contract.wire``) in parallel HTTP/1.1 requests, each on a pooled TCP connection of its own, so a model meets
   each of C = ``POOLED_CONNECTIONS`` (3) connections new once each way: the clock charges these to a client's
-  first C cycles. Connections idle for ``KEEPALIVE_S`` (5 s: httpx's and uvicorn's keep-alive) are closed but for
-  the one the SuperNode's polls keep open, so a model that goes a way more than 5 s after the last one pays
-  (C − 1)/C of S(b) in expectation (``cold_share``): FedAvg's rounds of more than 5 s meet it every round, DGA's
-  pipeline, whose models go every round, mostly not.
+  first C cycles. Connections idle for ``KEEPALIVE_S`` (5 s: httpx's keep-alive) are closed but for the one the
+  SuperNode's polls keep open, so a model that goes more than 5 s after the last model went either way (the pooled
+  connections carry both ways' models) pays (C − 1)/C of S(b) in expectation (``cold_share``): FedAvg's way up
+  when a round trains more than 5 s, DGA's pipeline, whose models go every round, mostly not. A connection kept
+  open keeps its window over an idle spell (``bench/idle_transfer.py``: on the testbed, with BBR, a transfer after
+  3 s idle takes what a warm one does; cubic with ``net.ipv4.tcp_slow_start_after_idle`` restarts from IW, which
+  the clock does not model).
 
 Jitter averages out and is left out. The cycle splits into the message's way down (F/2, F_d/2 and b_down's
 handling, ``DOWN_RTTS`` round trips, the transfer) and the reply's way up (the rest): ``ClientTimeline`` times
@@ -58,14 +61,14 @@ DOWN_RTTS = 3  # of them on the message's way down: PullMessages, the objects, C
 MSS_BYTES = 1448
 INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
 POOLED_CONNECTIONS = 3  # a message's objects each way, requested in parallel (contract.wire)
-KEEPALIVE_S = 5.0  # httpx and uvicorn close a connection idle this long: the next transfer starts cold
+KEEPALIVE_S = 5.0  # httpx closes a pooled connection idle this long: the next transfer on it starts cold
 
 
 def cold_share(cycle_index: int, idle_s: float) -> float:
     """How much of a transfer's slow start a model pays, in expectation: all of it in a client's first C cycles
-    (every pooled connection new); after its direction sat idle past ``KEEPALIVE_S``, (C − 1)/C (the pooled
-    connections closed but the one the SuperNode's polls keep open, and the model takes one of C at random);
-    none while they are warm."""
+    (every pooled connection new); ``idle_s`` past ``KEEPALIVE_S`` since a model last went either way, (C − 1)/C
+    (the pooled connections closed but the one the SuperNode's polls keep open, and the model takes one of C at
+    random); none while they are open."""
     if cycle_index < POOLED_CONNECTIONS:
         return 1.0
     return (POOLED_CONNECTIONS - 1) / POOLED_CONNECTIONS if idle_s > KEEPALIVE_S else 0.0
@@ -117,7 +120,7 @@ class ClientModel:
     def down_link_s(self, bytes_down: int, cycle_index: int, idle_s: float = 0.0) -> float:
         """The way down but the device's work: PullMessages, the objects, ConfirmMessageReceived (``DOWN_RTTS``),
         half the fixed cost and the transfer; ``cycle_index``: the client's cycles before, ``idle_s``: since its
-        last model went this way (``cold_share``)."""
+        last model went either way (``cold_share``)."""
         return self._link_s(self.link.down, bytes_down, DOWN_RTTS, cycle_index, idle_s)
 
     def up_link_s(self, bytes_up: int, cycle_index: int, idle_s: float = 0.0) -> float:
@@ -133,10 +136,11 @@ class ClientModel:
         return self.up_link_s(bytes_up, cycle_index, idle_s) + self.device_s(bytes_up)
 
     def cycle_s(self, bytes_down: int, steps: int, bytes_up: int, cycle_index: int, idle_s: float = 0.0) -> float:
-        """Seconds from the server's push to its pull of the reply, training ``steps`` local steps in between; its
-        models each way are ``idle_s`` after the ones before (the cycles follow each other)."""
-        down, up = self.down_s(bytes_down, cycle_index, idle_s), self.up_s(bytes_up, cycle_index, idle_s)
-        return down + steps * self.step_s + up
+        """Seconds from the server's push to its pull of the reply, training ``steps`` local steps in between; the
+        message goes ``idle_s`` after the client's last model went either way, the reply the training after it."""
+        train_s = steps * self.step_s
+        down, up = self.down_s(bytes_down, cycle_index, idle_s), self.up_s(bytes_up, cycle_index, train_s)
+        return down + train_s + up
 
 
 @dataclass
@@ -156,8 +160,7 @@ class ClientTimeline:
     next_round: int = 1
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (when, global round), in sending order
     cycles: int = 0  # messages so far (the first C pay slow start)
-    last_down: float = 0.0  # when its last model came down, and when its last update went up (``cold_share``)
-    last_up: float = 0.0
+    last_model: float = 0.0  # when its last model went either way, down or up (``cold_share``)
     messaging_free_at: float = 0.0  # when the device's messaging cores are done with the work queued on them
 
     def handled(self, ready: float, work: float) -> float:
@@ -168,10 +171,10 @@ class ClientTimeline:
 
     def global_sent(self, at: float, round_: int, size: int) -> None:
         """The global model of ``round_`` left the server at ``at`` in a message of ``size`` bytes."""
-        landed = at + self.model.down_link_s(size, self.cycles, at - self.last_down)
+        landed = at + self.model.down_link_s(size, self.cycles, at - self.last_model)
         arrival = self.handled(landed, self.model.device_s(size))
         self.arrivals.append((arrival, round_))
-        self.last_down = max(self.last_down, arrival)
+        self.last_model = max(self.last_model, landed)
 
     def start_s(self) -> float | None:
         """When the next round starts: once the trainer is free and a global model it may start from (round
@@ -192,9 +195,9 @@ class ClientTimeline:
         """The next round starts at ``at``: when its update (``bytes_up``) reaches the server."""
         done = at + self.round_s
         sent = self.handled(done, self.model.device_s(bytes_up))
-        arrival = sent + self.model.up_link_s(bytes_up, self.cycles, done - self.last_up)
+        arrival = sent + self.model.up_link_s(bytes_up, self.cycles, sent - self.last_model)
         self.free_at, self.next_round, self.cycles = done, self.next_round + 1, self.cycles + 1
-        self.last_up = max(self.last_up, arrival)
+        self.last_model = max(self.last_model, arrival)
         return arrival
 
 

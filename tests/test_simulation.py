@@ -329,7 +329,7 @@ def test_a_model_coming_down_waits_for_the_messaging_cores_an_update_going_up_ho
 
 
 def test_a_model_pays_slow_start_again_once_its_connections_sat_idle() -> None:
-    """Past a client's first three cycles a model's transfer is warm while its direction carried one within the
+    """Past a client's first three cycles a model's transfer is warm while a model went either way within the
     keep-alive (5 s); after that the pooled connections are closed but the one the polls keep, so it pays
     (C − 1)/C of slow start in expectation."""
     assert [cold_share(i, 0.0) for i in range(4)] == [1.0, 1.0, 1.0, 0.0]
@@ -337,3 +337,27 @@ def test_a_model_pays_slow_start_again_once_its_connections_sat_idle() -> None:
     model = ClientModel(BUILTIN_LINKS["long-distance"], step_s=0.05)
     warm, idle = model.down_s(424_000, 5, idle_s=1.0), model.down_s(424_000, 5, idle_s=12.0)
     assert idle - warm == pytest.approx(2 / 3 * slow_start_s(424_000, math.inf, 0.3))
+
+
+@pytest.mark.parametrize("round_s, update_cold", [(4.0, False), (6.0, True)])
+def test_fedavgs_connections_stay_open_while_its_models_alternate_within_the_keep_alive(
+    round_s: float, update_cold: bool
+) -> None:
+    """The pooled connections carry both ways' models: FedAvg's global model comes down right after the update went
+    up, so it is warm however long the round; the update goes up a round's training after the model came down, so
+    it pays (C − 1)/C of slow start only when the round trains past the keep-alive (as on the testbed, where a
+    connection kept open keeps its window: ``bench/idle_transfer.py``)."""
+    model = ClientModel(BUILTIN_LINKS["long-distance"], step_s=round_s / 10)
+    timeline = ClientTimeline(model, steps=10, delay=0, cycles=POOLED_CONNECTIONS)
+    size, handling = 3_300_000, model.device_s(3_300_000)
+    timeline.global_sent(0.0, 0, size)
+    start = timeline.start_s()
+    assert start == pytest.approx(model.down_link_s(size, POOLED_CONNECTIONS) + handling)  # warm
+    arrival = timeline.train(start, size)
+    cold = 2 / 3 * slow_start_s(size, math.inf, 0.3) if update_cold else 0.0
+    warm_up = model.up_link_s(size, POOLED_CONNECTIONS)
+    assert arrival == pytest.approx(start + round_s + handling + warm_up + cold)
+    timeline.global_sent(arrival + 0.1, 1, size)  # the next round's model, just after the server aggregated
+    assert timeline.arrivals[-1][0] == pytest.approx(arrival + 0.1 + model.down_link_s(size, 4) + handling)
+    cycle = model.cycle_s(size, 10, size, POOLED_CONNECTIONS, idle_s=0.1)  # the same without the pipeline
+    assert cycle == pytest.approx(start + round_s + handling + warm_up + cold)
