@@ -104,7 +104,7 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
     "flwr.supercore.runtime": ("RuntimeHttpClient",),
     "flwr.supercore.task_identity": ("TaskIdentity",),
     # fl_client.runtime_owner: an interceptor of the Runtime API client
-    "flwr.supercore.protobuf.client": ("ProtobufCall", "ProtobufRequestContext"),
+    "flwr.supercore.protobuf.client": ("ProtobufCall", "ProtobufRequestContext", "ProtobufClient"),
     # fl_client.supernode
     "flwr.supernode.cli.flower_supernode": ("flower_supernode",),
     # fl_client.channel: what Flower's Runtime API handlers refuse with
@@ -147,6 +147,7 @@ TUNED_SOURCE = {
     "flwr.supercore.inflatable.inflatable_utils.push_objects": "5893dafc584a46c8",
     "flwr.supercore.inflatable.inflatable_utils.push_object_contents_from_iterable": "89d2efe1cf720c91",
     "flwr.supercore.inflatable.inflatable_utils.get_num_workers": "d738f7dba5bff74b",
+    "flwr.supercore.protobuf.client.ProtobufClient.__init__": "ea57554c6ab40501",  # its pool's keep-alive
 }
 
 # the SuperNode's Runtime API router and how it finds a call's task, whose dispatch fl_client.channel makes in the

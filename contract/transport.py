@@ -10,6 +10,8 @@ behaviour. Each row is a wait in Flower's own code that a message round trip pay
 | ``pull_objects``, an object still uploading (a reply | 1 s, doubling to 10 s,   | 10 ms, doubling to 50 ms, for  |
 | is listed before its upload completes)               | 500 tries or 2 h         | 60 s at most (PULL_MAX_S)      |
 | objects pulled or pushed in parallel                 | min(2, cores)            | 8 (CONCURRENCY)                |
+| a pooled connection kept while idle (httpx, in       | 5 s                      | 60 s (KEEPALIVE_S)             |
+| ``ProtobufClient``: SuperNode and ServerApp)         |                          |                                |
 
 And one change of order: Flower's SuperNode pulls one message, then waits until its reply exists and pushes it
 before it pulls the next — one message in flight per node. edgefl's SuperNode pulls every message queued for it
@@ -79,6 +81,9 @@ PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was li
 # SuperLink's 180 s upload session); our largest message over the slowest profile (iot-uplink, 0.25 Mbit/s up)
 # uploads in well under that. The pull waiting on it runs beside the server's loop (fl_server.engine.ReplyPuller).
 CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 3 objects each way
+KEEPALIVE_S = 60.0  # a pooled connection idle this long is closed. httpx's 5 s closed those a reply's parallel
+# uploads opened before the next reply (LEAF's LSTM over long-distance: 12-15 connections a client in 12 rounds of
+# 7 s), and each new one starts from TCP's initial window: ~4 round trips. Below the gateway's keepalive_timeout.
 STOCK_IDLE_S, STOCK_REPLY_S = 3, 0.5  # the literal sleeps in Flower's SuperNode loop
 NO_RUN = 0  # what the pipelined pull reports when there was no message: not None, so the loop goes on to push
 
@@ -414,7 +419,7 @@ def _set_defaults(function: Callable[..., Any], **defaults: float) -> None:
 
 
 def _apply(signals: NodeSignals) -> None:
-    from contract.flower import inflatable_utils
+    from contract.flower import ProtobufClient, inflatable_utils
     from contract.flower import supernode_loop as loop
 
     idle = _IdleBackoff()
@@ -431,6 +436,23 @@ def _apply(signals: NodeSignals) -> None:
     _set_defaults(inflatable_utils.push_objects, max_concurrent_pushes=CONCURRENCY)
     _set_defaults(inflatable_utils.push_object_contents_from_iterable, max_concurrent_pushes=CONCURRENCY)
     inflatable_utils.get_num_workers = lambda max_concurrent: max_concurrent  # type: ignore[assignment]
+    ProtobufClient.__init__ = _kept_alive(ProtobufClient.__init__)  # type: ignore[method-assign]
+
+
+def _kept_alive(init: Callable[..., None]) -> Callable[..., None]:
+    """Flower's ``ProtobufClient.__init__`` (``TUNED_SOURCE``: it makes ``httpx.Client(verify=verify,
+    timeout=timeout, follow_redirects=True)``), then the same client with httpx's default pool but that it keeps
+    idle connections ``KEEPALIVE_S``."""
+    import httpx
+
+    @functools.wraps(init)
+    def kept_alive(self: Any, base_url: str, *, verify: Any = True, timeout: float = 30.0, **rest: Any) -> None:
+        init(self, base_url, verify=verify, timeout=timeout, **rest)
+        self._client.close()
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S)
+        self._client = httpx.Client(verify=verify, timeout=timeout, follow_redirects=True, limits=limits)
+
+    return kept_alive
 
 
 def tune(signals: NodeSignals | None = None) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.settings import ConfigError, parse_address
+from contract.transport import KEEPALIVE_S
 from edgefl.certs import ServerCerts
 from edgefl.processes import LaunchError, ProcessGroup, free_port, tail
 
@@ -104,6 +105,7 @@ http {{
     proxy_buffering off;
     proxy_http_version 1.1;
     proxy_set_header Connection "";
+    keepalive_timeout {KEEPALIVE_S + 15:.0f}s;  # longer than a device's SuperNode keeps an idle connection
     proxy_read_timeout 1h;
     proxy_send_timeout 1h;{upstream_tls}
     default_type text/plain;

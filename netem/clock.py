@@ -29,10 +29,11 @@ A message cycle (the server pushes a message, the client trains the rounds it br
   (:func:`slow_start_s`). Flower's SuperNode moves a message's objects (Message, RecordDict, ConfigRecord:
   ``contract.wire``) in parallel HTTP/1.1 requests, each on a pooled TCP connection of its own, so a model meets
   each of C = ``POOLED_CONNECTIONS`` (3) connections new once each way: the clock charges these to a client's
-  first C cycles. Connections idle for ``KEEPALIVE_S`` (5 s: httpx's keep-alive) are closed but for the one the
-  SuperNode's polls keep open, so a model that goes more than 5 s after the last model went either way (the pooled
-  connections carry both ways' models) pays (C − 1)/C of S(b) in expectation (``cold_share``): FedAvg's way up
-  when a round trains more than 5 s, DGA's pipeline, whose models go every round, mostly not. A connection kept
+  first C cycles. Connections idle for ``KEEPALIVE_S`` (60 s: what edgefl's SuperNode keeps them,
+  ``contract.transport``; httpx's own is 5 s) are closed but for the one the SuperNode's polls keep open, so a
+  model that goes more than that after the last model went either way (the pooled connections carry both ways'
+  models) pays (C − 1)/C of S(b) in expectation (``cold_share``): FedAvg's way up when a round trains longer, DGA's
+  pipeline, whose models go every round, mostly not. A connection kept
   open keeps its window over an idle spell (``bench/idle_transfer.py``: on the testbed, with BBR, a transfer after
   3 s idle takes what a warm one does; cubic with ``net.ipv4.tcp_slow_start_after_idle`` restarts from IW, which
   the clock does not model).
@@ -49,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 from contract.devices import DeviceProfile
+from contract.transport import KEEPALIVE_S
 from netem.profiles import Link, LinkProfile
 
 RunKey = tuple[str, str, int]  # (model, data set, batch size): contract.settings.RunConfig.step_key
@@ -61,7 +63,6 @@ DOWN_RTTS = 3  # of them on the message's way down: PullMessages, the objects, C
 MSS_BYTES = 1448
 INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
 POOLED_CONNECTIONS = 3  # a message's objects each way, requested in parallel (contract.wire)
-KEEPALIVE_S = 5.0  # httpx closes a pooled connection idle this long: the next transfer on it starts cold
 
 
 def cold_share(cycle_index: int, idle_s: float) -> float:

@@ -330,16 +330,16 @@ def test_a_model_coming_down_waits_for_the_messaging_cores_an_update_going_up_ho
 
 def test_a_model_pays_slow_start_again_once_its_connections_sat_idle() -> None:
     """Past a client's first three cycles a model's transfer is warm while a model went either way within the
-    keep-alive (5 s); after that the pooled connections are closed but the one the polls keep, so it pays
+    keep-alive (``KEEPALIVE_S``); after that the pooled connections are closed but the one the polls keep, so it pays
     (C − 1)/C of slow start in expectation."""
     assert [cold_share(i, 0.0) for i in range(4)] == [1.0, 1.0, 1.0, 0.0]
     assert cold_share(3, KEEPALIVE_S + 0.1) == pytest.approx(2 / 3)
     model = ClientModel(BUILTIN_LINKS["long-distance"], step_s=0.05)
-    warm, idle = model.down_s(424_000, 5, idle_s=1.0), model.down_s(424_000, 5, idle_s=12.0)
+    warm, idle = model.down_s(424_000, 5, idle_s=1.0), model.down_s(424_000, 5, idle_s=KEEPALIVE_S + 1)
     assert idle - warm == pytest.approx(2 / 3 * slow_start_s(424_000, math.inf, 0.3))
 
 
-@pytest.mark.parametrize("round_s, update_cold", [(4.0, False), (6.0, True)])
+@pytest.mark.parametrize("round_s, update_cold", [(KEEPALIVE_S - 1, False), (KEEPALIVE_S + 1, True)])
 def test_fedavgs_connections_stay_open_while_its_models_alternate_within_the_keep_alive(
     round_s: float, update_cold: bool
 ) -> None:

@@ -55,12 +55,15 @@ def test_tune_changes_flowers_waits() -> None:
         from contract.transport import tune
         from flwr.supernode import start_client_internal as loop
         from flwr.supercore.inflatable import inflatable_utils as objects
+        from flwr.supercore.protobuf.client import ProtobufClient
         print(tune())
         pull = objects.pull_objects.__kwdefaults__
         print(loop.time is time, pull["initial_backoff"], pull["max_time"], objects.get_num_workers(8))
+        client = ProtobufClient("http://127.0.0.1:9", interceptors=("x",), timeout=7.0)  # httpx's own pool below
+        print(client._client._transport._pool._keepalive_expiry, client._client.timeout.read, client._interceptors)
     """)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["fast", "False", "0.01", "60.0", "8"]
+    assert done.stdout.split() == ["fast", "False", "0.01", "60.0", "8", "60.0", "7.0", "('x',)"]
 
 
 def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
@@ -73,9 +76,11 @@ def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
         transport.TUNED_SOURCE[name] = "0000000000000000"  # as after an upgrade
         print(transport.tune())
         print(loop.time is time, objects.pull_objects.__kwdefaults__["initial_backoff"])
+        from flwr.supercore.protobuf.client import ProtobufClient
+        print(ProtobufClient("http://127.0.0.1:9")._client._transport._pool._keepalive_expiry)  # httpx's 5 s
     """)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["stock", "True", "1"]
+    assert done.stdout.split() == ["stock", "True", "1", "5.0"]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "_push_messages is not the code edgefl tunes" in lines[0], lines
 
