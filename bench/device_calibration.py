@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,7 @@ def main() -> int:
     return 0 if within else 1
 
 
-def _range(samples: list[Any], field: str, scale: float) -> str:
+def _range(samples: Iterable[Any], field: str, scale: float) -> str:
     values = sorted(getattr(sample, field) * scale for sample in samples)
     return f"{values[0]:.2f}-{values[-1]:.2f}"
 

@@ -26,6 +26,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ REMOVE_POLL_S = 0.02
 ROLES = ("train", "agent", "supernode")  # one device core each (DeviceCaps)
 MESSAGING_ROLES = ("agent", "supernode")  # at the messaging share; "train" at the training share
 FOLLOW_EVERY_S = 2.0  # how often a device's quotas are set again from this host's speed (HostFollower)
+FOLLOW_SAMPLES = 3600  # the speeds it keeps: two hours of them, and a device joined for days holds no more
 
 
 def cpu_hierarchy() -> tuple[int, Path]:
@@ -239,7 +241,7 @@ class HostFollower:
     speeds (``mean_speeds``: a device's threads run on any of them). Entered after the devices' caps, so that it
     stops before they are removed; a device whose quota cannot be set again stops it, said in one line to ``say``.
 
-    ``samples`` holds the speeds it set the quotas from, in order."""
+    ``samples`` holds the speeds it set the quotas from, in order (the last ``FOLLOW_SAMPLES``)."""
 
     def __init__(
         self,
@@ -252,7 +254,7 @@ class HostFollower:
         self.every_s = every_s
         self.probe = probe
         self.say = say
-        self.samples: list[KernelSpeeds] = []
+        self.samples: deque[KernelSpeeds] = deque(maxlen=FOLLOW_SAMPLES)
         self._cpus = sorted(os.sched_getaffinity(0))
         self._latest: dict[int, KernelSpeeds] = {}
         self._stop = threading.Event()

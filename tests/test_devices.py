@@ -250,7 +250,7 @@ def test_a_devices_quotas_follow_this_hosts_speed_both_ways() -> None:
         caps.set_shares(slow)
         assert _quotas(caps) == pytest.approx(slow, abs=1e-5)
         assert _quota(caps.path) == pytest.approx(slow.device, abs=1e-5)
-        assert follower.samples == [FAST_HOST, both, FAST_HOST, FAST_HOST]
+        assert list(follower.samples) == [FAST_HOST, both, FAST_HOST, FAST_HOST]
 
 
 @pytest.mark.root
