@@ -273,8 +273,8 @@ def main() -> int:
 def compare_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """FedAvg against the case's DGA over each of its links: their paths, T, and DGA's round efficiency — its rounds
     per second over FedAvg's against min(1 + R/T, D + 1). Beside it the same counted in each run's own round training
-    T (``dga_round_efficiency_in_own_t``): not the judged one, since DGA's T came out longer than FedAvg's in every
-    pair measured (3-36 %, eleven pairs), which is DGA's own cost on the device or the host, not drift alone."""
+    T (``dga_round_efficiency_in_own_t``): not the judged one, since a T that differs between the two runs may be
+    DGA's own cost as well as this host's drift (DGA's T came out 3-36 % longer in eleven pairs on one day)."""
     settings, dga, links = CASES[name]
     delay = int(dga.split(":")[1])
     found: dict[str, Any] = {"dga": dga, "links": {}}

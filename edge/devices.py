@@ -234,9 +234,9 @@ def _remove(folder: Path, root: Path) -> None:
 class HostFollower:
     """Keeps emulated devices at their profiles' speed while this host's cores change speed: a quota is a share of
     whatever speed the core has, and a cloud host's one-core DGEMM moved 29.6-68.5 GFLOP/s within minutes here,
-    its two cores apart from each other (at one moment 45 and 65 GFLOP/s). On a thread of its own, every
-    ``every_s`` one of this process's CPUs in turn is probed (``contract.kernels.probe_host_speeds``, the thread
-    pinned to it: by CPU time, a few short runs of each reference kernel, ~50 ms here), and each device's quotas
+    its CPUs not always together. On a thread of its own, every ``every_s`` one of this process's CPUs in turn is
+    probed (``contract.kernels.probe_host_speeds``, the thread pinned to it: by CPU time, a few short runs of each
+    reference kernel), and each device's quotas
     set again from its profile (share = host / device, ``DeviceProfile.shares``) at the mean of the CPUs' latest
     speeds (``mean_speeds``: a device's threads run on any of them). Entered after the devices' caps, so that it
     stops before they are removed; a device whose quota cannot be set again stops it, said in one line to ``say``.
