@@ -235,7 +235,7 @@ rm -rf "$OUT/certs"
 cp "$OUT/certs/ca.pem" "$ROOTFS/root/edgefl-ca.pem"
 server=127.0.0.1:$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 rm -f "$OUT/server.ready" "$ROOTFS$DEVICE_OUT.ready" # an earlier run's (each command removes its own too)
-nice -n 19 "$EDGEFL" server --listen "$server" --certs "$OUT/certs" --out "$OUT/server" \
+nice -n 19 "$EDGEFL" server --listen "$server" --certs "$OUT/certs" --out "$OUT/server" --allow-any-device \
     --ready-file "$OUT/server.ready" >"$OUT/server.out" 2>&1 &
 PIDS+=($!)
 wait_ready "$OUT/server.ready" "$!" "edgefl server" "$OUT/server.out"

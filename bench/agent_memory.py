@@ -127,7 +127,7 @@ def as_edgefl_client_starts_it(dataset: str, model: str, args: argparse.Namespac
     out.mkdir(parents=True, exist_ok=True)
     address = f"127.0.0.1:{port}"
     try:
-        server = edgefl("server", "--listen", address, "--insecure", "--out", str(out / "server"),
+        server = edgefl("server", "--listen", address, "--insecure", "--allow-any-device", "--out", str(out / "server"),
                         "--ready-file", str(out / "server.ready"))  # fmt: skip
         ready(out / "server.ready", server)
         clients = [edgefl("client", "--server", address, "--insecure", "--partition-id", str(i), "--num-partitions",

@@ -40,12 +40,15 @@ from strategies.codecs import CODECS, Layout, parse_codec, server_compressor
 from strategies.codecs.base import DENSE_HEADER, FORMAT_VERSION, layout_info
 from strategies.codecs.dense import dense_payload
 from strategies.codecs.stc import STC_HEADER
+from strategies.rounds import MAX_FAILED_REPLIES
 
 REPLY, FINAL, FORGED = "reply", "final", "forged"  # how an attack is delivered (see the module's docstring)
 HUGE_REPLY_MB = 15  # the gateway takes requests of up to 16 MB (edgefl.gateway.MAX_BODY); a reply's payload is one
 OVER_GATEWAY_MB = 17  # ... and refuses a larger one (413): the reply never arrives
 FORGED_MARKER_S = 4321.0  # a forged reply's train-s (plus its index): how the benchmark finds one the server took
 VICTIM_WAIT_S = 60.0  # how long the device waits for the other device's next message
+FAILING_A_ROUND = MAX_FAILED_REPLIES - 1  # attacks a round that fail a reply: after MAX_FAILED_REPLIES of them the
+# server sends the node nothing more until the round closes (strategies.rounds), and its FINAL attack must still go
 TTL_MARGIN_S = 60.0  # a forged reply expires this much before the message it claims to answer (Flower's check)
 # A codec's spec for a valid payload to break, and where its header holds the count checked against the layout.
 CODEC_SPECS = {"none": "none", "topk": "topk:0.01", "stc": "stc:0.01", "dgc": "dgc:0.99", "powersgd": "powersgd:2",
@@ -326,10 +329,13 @@ def attacked_rounds(rounds: int, honest_every: int) -> list[int]:
 
 
 def rounds_needed(names: list[str], honest_every: int) -> int:
-    """The fewest rounds whose attacked rounds hold every FINAL attack of ``names``, one each (at least one)."""
+    """The fewest rounds whose attacked rounds hold every FINAL attack of ``names``, one each (at least one), and the
+    others at most ``FAILING_A_ROUND`` each."""
     finals = max(1, sum(ATTACKS[name].delivery == FINAL for name in names))
+    others = len(names) - sum(ATTACKS[name].delivery == FINAL for name in names)
+    attacked = max(finals, math.ceil(others / FAILING_A_ROUND))
     rounds = 1
-    while len(attacked_rounds(rounds, honest_every)) < finals:
+    while len(attacked_rounds(rounds, honest_every)) < attacked:
         rounds += 1
     return rounds
 
@@ -340,10 +346,10 @@ def schedule(names: list[str], rounds: int, honest_every: int) -> dict[int, list
     attacked = attacked_rounds(rounds, honest_every)
     finals = [n for n in names if ATTACKS[n].delivery == FINAL]
     others = [n for n in names if ATTACKS[n].delivery != FINAL]
-    if len(finals) > len(attacked) or not attacked:
+    if len(finals) > len(attacked) or len(others) > FAILING_A_ROUND * len(attacked) or not attacked:
         needed = rounds_needed(names, honest_every)
-        raise ValueError(f"{len(finals)} attacks need a round each; {rounds} rounds attack in {len(attacked)}: use "
-                         f"--rounds {needed} or more")  # fmt: skip
+        raise ValueError(f"{len(finals)} attacks need a round each and {len(others)} at most {FAILING_A_ROUND} a "
+                         f"round; {rounds} rounds attack in {len(attacked)}: use --rounds {needed}")  # fmt: skip
     plan: dict[int, list[str]] = {r: [] for r in attacked}
     for i, name in enumerate(others):
         plan[attacked[i % len(attacked)]].append(name)

@@ -191,7 +191,7 @@ def remote_run(edgefl: str, common: list[str], args: argparse.Namespace, env: di
     shutil.rmtree(home, ignore_errors=True)  # the logs of an earlier bench name another server's address
     with ProcessGroup(home / "processes", env) as procs:
         procs.start("edgefl-server", [edgefl, "server", "--listen", f"127.0.0.1:{port}", "--insecure",
-                               "--out", str(home / "server")])  # fmt: skip
+                                      "--allow-any-device", "--out", str(home / "server")])  # fmt: skip
         server_log = procs.log_dir / "edgefl-server.log"
         procs.wait_until("edgefl server", lambda: "--federation remote --server" in tail(server_log, 50), TIMEOUT_S)
         local = tail(server_log, 50).split("--federation remote --server ")[1].split()[0]

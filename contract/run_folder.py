@@ -279,7 +279,7 @@ class Checkpoint:
     round: int
     params: np.ndarray  # the global model after ``round``
     wall_s: float = 0.0  # the run's wall clock when the round closed
-    recent_norms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # ``NormOutlierFilter``'s norm history
+    recent_norms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # (client, norm) rows: ``InfluenceBound``'s
     momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # ``ServerMomentum``'s; empty: none
     strategy: dict[str, np.ndarray] = field(default_factory=dict)  # the strategy's server half's ``state()``
 

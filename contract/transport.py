@@ -41,7 +41,8 @@ upload has stalled (a device that lost its link mid-upload) holds every reply li
 own objects are waited for (``PULL_MAX_S``). ``pull_replies`` makes the same calls with the replies of different
 nodes pulled side by side, and gives each reply as soon as its own objects are in (one node's in their order);
 where ``PULL_SOURCE`` differs, or the grid is not Flower's ``HttpGrid``, or Flower runs stock, it is the grid's
-own ``pull_messages``.
+own ``pull_messages``. A reply whose object tree is not an edgefl reply's shape (more than ``REPLY_OBJECTS``) is not
+pulled at all: it comes as the client's error, and its receipt is confirmed so that the SuperLink lets it go.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import httpx
 
 from contract.flower import COUNT_SOURCE, PULL_SOURCE, TUNED_SOURCE, code_key, set_message_id, why_differs
 
@@ -81,6 +84,9 @@ PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was li
 # SuperLink's 180 s upload session); our largest message over the slowest profile (iot-uplink, 0.25 Mbit/s up)
 # uploads in well under that. The pull waiting on it runs beside the server's loop (fl_server.engine.ReplyPuller).
 CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 3 objects each way
+BULK_PATHS = ("/push-object", "/pull-object")  # the Fleet API requests that carry objects: own pools (BulkApart)
+REPLY_OBJECTS = 3  # Flower objects of an edgefl reply whatever it carries (the message, its RecordDict, one
+# ConfigRecord holding the header and the payload: contract.wire); a reply listing more is not pulled
 KEEPALIVE_S = 60.0  # a pooled connection idle this long is closed. httpx's 5 s closed those a reply's parallel
 # uploads opened before the next reply (LEAF's LSTM over long-distance: 12-15 connections a client in 12 rounds of
 # 7 s), and each new one starts from TCP's initial window: ~4 round trips. Below the gateway's keepalive_timeout.
@@ -441,18 +447,40 @@ def _apply(signals: NodeSignals) -> None:
 
 def _kept_alive(init: Callable[..., None]) -> Callable[..., None]:
     """Flower's ``ProtobufClient.__init__`` (``TUNED_SOURCE``: it makes ``httpx.Client(verify=verify,
-    timeout=timeout, follow_redirects=True)``), then the same client with httpx's default pool but that it keeps
-    idle connections ``KEEPALIVE_S``."""
-    import httpx
+    timeout=timeout, follow_redirects=True)``), then the same client on ``BulkApart``'s pools, each httpx's default
+    but that it keeps idle connections ``KEEPALIVE_S``."""
 
     @functools.wraps(init)
     def kept_alive(self: Any, base_url: str, *, verify: Any = True, timeout: float = 30.0, **rest: Any) -> None:
         init(self, base_url, verify=verify, timeout=timeout, **rest)
         self._client.close()
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S)
-        self._client = httpx.Client(verify=verify, timeout=timeout, follow_redirects=True, limits=limits)
+        transport = BulkApart(lambda: httpx.HTTPTransport(verify=verify, limits=limits))
+        self._client = httpx.Client(timeout=timeout, follow_redirects=True, transport=transport)
 
     return kept_alive
+
+
+class BulkApart(httpx.BaseTransport):
+    """An httpx transport that sends objects up, objects down and every other request each on a pool of its own
+    connections (``BULK_PATHS``), so a connection that carries a model carries models the same way every round.
+
+    TCP's congestion window is a connection's and a direction's: a connection that last carried an update up, or
+    only small requests, starts a model down at the initial window and ramps up over round trips (BBR's start-up
+    like cubic's slow start: ~5 round trips for 0.4 MB, 1.1 s over a 300 ms link). httpx's one pool hands a request
+    the oldest idle connection; with DGA's two messages in flight an update goes up while the next model comes down,
+    and both landed on connections cold in their direction: DGA's path was 1.5-1.7x FedAvg's over long-distance."""
+
+    def __init__(self, make_pool: Callable[[], httpx.BaseTransport]) -> None:
+        self.pools = {kind: make_pool() for kind in (*BULK_PATHS, "")}
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        kind = next((kind for kind in BULK_PATHS if request.url.path.endswith(kind)), "")
+        return self.pools[kind].handle_request(request)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
 
 
 def tune(signals: NodeSignals | None = None) -> str:
@@ -554,17 +582,22 @@ def _pull_reply(client: Any, node: Any, run_id: int, proto: Any, tree: Any) -> M
     )
 
     message_id = proto.metadata.message_id
+    metadata = Metadata(
+        run_id=run_id, message_id="", src_node_id=node.node_id, dst_node_id=node.node_id,
+        message_type=SYSTEM_MESSAGE_TYPE, group_id="", ttl=0,
+        reply_to_message_id=proto.metadata.reply_to_message_id, created_at=now().timestamp(),
+    )  # fmt: skip
+    object_ids = [subtree.object_id for subtree in iterate_object_tree(tree)]
+    if len(object_ids) > REPLY_OBJECTS:  # not edgefl's shape: refused before any of it is pulled
+        client.ConfirmMessageReceived(
+            ConfirmMessageReceivedRequest(node=node, run_id=run_id, message_object_id=message_id)
+        )
+        reason = f"edgefl: the reply lists {len(object_ids)} objects, an edgefl reply {REPLY_OBJECTS}: not pulled"
+        return make_message(metadata=metadata, error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason))
     try:
         pull_object = make_pull_object_fn_protobuf(pull_object_protobuf=client.PullObject, node=node, run_id=run_id)
-        contents = inflatable_utils.pull_objects(
-            object_ids=[subtree.object_id for subtree in iterate_object_tree(tree)], pull_object_fn=pull_object
-        )
+        contents = inflatable_utils.pull_objects(object_ids=object_ids, pull_object_fn=pull_object)
     except ObjectPullError as exc:
-        metadata = Metadata(
-            run_id=run_id, message_id="", src_node_id=node.node_id, dst_node_id=node.node_id,
-            message_type=SYSTEM_MESSAGE_TYPE, group_id="", ttl=0,
-            reply_to_message_id=proto.metadata.reply_to_message_id, created_at=now().timestamp(),
-        )  # fmt: skip
         reason = (
             "Reply message objects are unavailable. The sender may not have completed the upload before the "
             f"object-push session expired. {exc}"

@@ -40,6 +40,7 @@ MAX_MAGNITUDE = 1e30  # |loss| or a health reading: far above any real one, and 
 MAX_UPDATES = 1024  # updates in one reply: far above the D + 1 ≤ 65 rounds an agent may have ready (DGA's D ≤ 64)
 MAX_NAME = 64  # characters of a wire type, a transport or a health item's name or text
 MAX_HEALTH_ITEMS = 16  # a device's health report is a handful of readings (edge.health.health_snapshot)
+MAX_REASON = 300  # characters of a client's error reason as the server logs it
 
 
 class WireError(PeerError, ValueError):
@@ -67,10 +68,23 @@ def _number(value: Any, name: str, low: float, high: float) -> float:
 
 
 def _name(value: Any, name: str) -> str:
-    """A JSON string of 1 to MAX_NAME characters."""
-    if type(value) is not str or not 0 < len(value) <= MAX_NAME:
-        raise WireError(f"{name} is {_shown(value)}, not a name of 1 to {MAX_NAME} characters")
+    """A JSON string of 1 to MAX_NAME printable characters (no newline, no escape sequence)."""
+    if type(value) is not str or not 0 < len(value) <= MAX_NAME or not value.isprintable():
+        raise WireError(f"{name} is {_shown(value)}, not a name of 1 to {MAX_NAME} printable characters")
     return value
+
+
+def one_line(text: str, limit: int = MAX_REASON) -> str:
+    """A peer's text as one printable line of at most ``limit`` characters: a newline, a carriage return or an
+    escape sequence in a client's error reason would otherwise start a line of the server's log of its own choosing
+    (the log a submitter's ``flwr log --stream`` mirrors) or drive the reader's terminal."""
+    shown = "".join(ch if ch.isprintable() else " " for ch in text[: limit + 1])
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+def error_reason(reply: Message) -> str:
+    """An error reply's reason (``Message.error``), as ``one_line`` shows it."""
+    return one_line(str(reply.error.reason))
 
 
 def _health(value: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@
     edgefl report runs/A runs/B ... [--out DIR]
     edgefl netem apply|show|clear|verify ...
     edgefl certs --out DIR [--host NAME_OR_IP ...] [--node-keys N] [--submitters N]
-    edgefl server --listen HOST:PORT (--certs DIR | --insecure) [--auth-keys node-*.pub]
+    edgefl server --listen HOST:PORT (--certs DIR | --insecure) (--auth-keys node-*.pub | --allow-any-device)
     edgefl client --server HOST:PORT --partition-id I --num-partitions N (--root-cert FILE | --insecure) ...
     edgefl run|compare --federation remote --server HOST:PORT (--root-cert FILE --submitter-cert FILE | --insecure)
 

@@ -34,6 +34,15 @@ OTHER_REFUSED = "only the Fleet API (/v1/fleet/) is served to the network"
 # payload is one bytes value of a ConfigRecord, one object: this caps a reply's updates together (a dense update
 # of the largest model edgefl ships, LEAF's LSTM, is 3.3 MB).
 MAX_BODY = "16m"
+SMALL_BODY = "64k"  # every request but an object upload (a message's envelope, a pull, a heartbeat): well under
+# Limits per address, far above what devices need (a device keeps up to ~10 connections open and sends a few dozen
+# requests a second while it transfers; behind one NAT, or on loopback, devices share an address: ~25 fit) and far
+# below what locks the door: one address cannot take all the connections, nor queue requests without bound.
+CONNECTIONS_PER_ADDRESS = 256
+REQUESTS_PER_S, REQUEST_BURST = 1000, 2000
+WORKER_CONNECTIONS = 4096  # the gateway's connections, a device's and its upstream one each
+HEADER_TIMEOUT_S = 10  # a request's headers must come within this; a body must not stall longer than BODY_TIMEOUT_S
+BODY_TIMEOUT_S = 30
 
 
 def _binary(*names: str) -> str:
@@ -78,6 +87,7 @@ class Gateway:
             control = f"""
         location /v1/control/ {{
             if ($ssl_client_verify != SUCCESS) {{ return 403 "{CONTROL_REFUSED} ($ssl_client_verify)\\n"; }}
+            client_max_body_size {MAX_BODY};  # a run's app (flwr run)
             proxy_pass {upstream};
         }}"""
         else:
@@ -89,18 +99,29 @@ daemon off;
 worker_processes 1;
 pid {folder}/nginx.pid;
 error_log {folder}/error.log notice;
-events {{ worker_connections 512; }}
+worker_rlimit_nofile {2 * WORKER_CONNECTIONS};
+events {{ worker_connections {WORKER_CONNECTIONS}; }}
 http {{
     log_format door '$time_iso8601 $remote_addr conn=$connection/$connection_requests "$request" $status '
-                    '$body_bytes_sent client-cert=$ssl_client_verify "$ssl_client_s_dn"';
+                    '$body_bytes_sent client-cert=$ssl_client_verify "$ssl_client_s_dn" '
+                    'at=$msec took=$request_time upstream=$upstream_response_time in=$request_length';
     access_log {folder}/access.log door;
     client_body_temp_path {folder}/tmp/body;
     proxy_temp_path {folder}/tmp/proxy;
     fastcgi_temp_path {folder}/tmp/fastcgi;
     uwsgi_temp_path {folder}/tmp/uwsgi;
     scgi_temp_path {folder}/tmp/scgi;
-    client_max_body_size {MAX_BODY};
-    client_body_buffer_size {MAX_BODY};
+    client_max_body_size {SMALL_BODY};
+    client_body_buffer_size {SMALL_BODY};
+    client_header_timeout {HEADER_TIMEOUT_S}s;
+    client_body_timeout {BODY_TIMEOUT_S}s;
+    send_timeout {BODY_TIMEOUT_S}s;
+    limit_conn_zone $binary_remote_addr zone=per_address:1m;
+    limit_conn per_address {CONNECTIONS_PER_ADDRESS};
+    limit_req_zone $binary_remote_addr zone=requests:1m rate={REQUESTS_PER_S}r/s;
+    limit_req zone=requests burst={REQUEST_BURST} nodelay;
+    limit_conn_status 429;
+    limit_req_status 429;
     proxy_request_buffering off;
     proxy_buffering off;
     proxy_http_version 1.1;
@@ -113,7 +134,8 @@ http {{
     upstream superlink {{ server 127.0.0.1:{self.superlink_port}; keepalive 16; }}
     server {{
         {listen}{tls}
-        location /v1/fleet/ {{ proxy_pass {upstream}; }}{control}
+        location /v1/fleet/ {{ proxy_pass {upstream}; }}
+        location = /v1/fleet/push-object {{ client_max_body_size {MAX_BODY}; proxy_pass {upstream}; }}{control}
         location / {{ return 403 "{OTHER_REFUSED}\\n"; }}
     }}
 }}

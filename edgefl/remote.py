@@ -127,7 +127,8 @@ def join_instructions(listen: str, certs: ServerCerts | None, auth_keys: list[Pa
         f"gateway (nginx) on {listen}, {'TLS' if certs else 'plain text (--insecure)'}: devices' Fleet API only, "
         + ("runs from submitter certificates" if certs else "no run submission")
         + f"; the SuperLink on {local}",
-        "node authentication: " + (f"{len(auth_keys)} registered keys" if auth_keys else "off, any SuperNode may join"),
+        "node authentication: "
+        + (f"{len(auth_keys)} registered keys" if auth_keys else "off (--allow-any-device), any SuperNode may join"),
         f"each device joins with, for I = 0 .. N-1{copy}:",
         f"  edgefl client --server {server} {tls} --partition-id I --num-partitions N{auth}",
         *submit,
@@ -391,6 +392,12 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_server(args: argparse.Namespace) -> int:
     if (args.certs is None) == (not args.insecure):
         raise ConfigError("give --certs DIR (TLS) or --insecure (plain text, trusted networks only)")
+    if not args.auth_keys and not args.allow_any_device:
+        raise ConfigError(
+            "refusing to serve without device authentication: anyone who reaches the port could join, learn each "
+            "run's data, seed and split, take a partition and send updates; give --auth-keys node-*.pub (from "
+            "edgefl certs --node-keys N, with --certs) or --allow-any-device on a network you trust"
+        )
     certs = ServerCerts.in_dir(args.certs) if args.certs else None
     with ReadyFile(args.ready_file) as ready:
         serve(args.listen, certs, args.auth_keys or [], args.out, lambda line: print(line, flush=True), ready)
@@ -430,6 +437,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true", help="plain text instead of TLS (trusted networks only)")
     p.add_argument("--auth-keys", type=Path, nargs="+", metavar="PUB",
                    help="SuperNode public keys (node-I.pub) to admit; other nodes are refused")  # fmt: skip
+    p.add_argument(
+        "--allow-any-device",
+        action="store_true",
+        help="serve without --auth-keys: any SuperNode that reaches the port may join (trusted networks)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/server"), help="folder for logs (default runs/server)")
     p.add_argument("--ready-file", type=Path, metavar="PATH", help=READY_FILE_HELP.format(when="it serves"))
     p.set_defaults(func=cmd_server)

@@ -64,7 +64,7 @@ from contract.run_folder import (
 )
 from contract.settings import RunConfig
 from contract.transport import FAST, STOCK, pull_replies
-from contract.wire import WireError, WireSize, parse_reply, reply_key, train_message, wire_size
+from contract.wire import WireError, WireSize, error_reason, parse_reply, reply_key, train_message, wire_size
 from fl_server.membership import Membership, PushRefused, RoundStuck
 from fl_server.robust import make_aggregator
 from ml.data import DataError, Dataset, load_dataset, one_partition
@@ -83,7 +83,7 @@ from strategies.rounds import (
     Update,
 )
 from strategies.strategy import ServerHalf, ServerSetup
-from strategies.validation import NormOutlierFilter
+from strategies.validation import InfluenceBound
 
 log = logging.getLogger("edgefl.server")
 
@@ -434,14 +434,14 @@ class RunState:
         self.start = folder.read_checkpoint() or Checkpoint(0, start_params)
         truncate_rounds(folder.path, self.start.round)
         size = self.start.params.size
-        self.validator = NormOutlierFilter(norms=self.start.recent_norms)
+        self.validator = InfluenceBound(history=self.start.recent_norms)
         self.momentum = global_momentum(config.codec_spec, size, self.start.momentum)
         self.strategy = strategy_half(config, size)
         self.strategy.restore(self.start.strategy)
 
     def checkpoint(self, closed: ClosedRound, wall_s: float) -> Checkpoint:
         """The state after ``closed``, at the run's wall clock ``wall_s``."""
-        norms = np.array(self.validator.norms)
+        norms = self.validator.history_rows()
         return Checkpoint(closed.round, closed.global_params, wall_s, norms, closed.momentum, closed.strategy_state)
 
 
@@ -619,6 +619,11 @@ class ServerLoop:
 
     def _round_closed(self, closed: ClosedRound, now: float) -> None:
         """A round closed at ``now``: its row and checkpoint go to the evaluator."""
+        if closed.step_refused:
+            log.warning("round %d left the global model where it was: %s", closed.round, closed.step_refused)
+        for partition in closed.clipped:
+            log.warning("round %d: partition %d's update was clipped to the bound the others set", closed.round,
+                        partition)  # fmt: skip
         self.evaluator.submit(self._row(closed, now - self.t0), self.state.checkpoint(closed, now - self.t0))
         self.source.round_closed(closed, now)
 
@@ -724,9 +729,9 @@ class ServerLoop:
         """A node's answer to who it is: admitted, a spare, or refused (its agent's error says why); asked again
         when the error is Flower's (``refused_by_client``)."""
         if parsed is None and not refused_by_client(reply.error):
-            self.members.retry(node, reply.error.reason)
+            self.members.retry(node, error_reason(reply))
         elif not isinstance(parsed, TrainReply):
-            self.members.refuse(node, reply.error.reason if parsed is None else parsed)
+            self.members.refuse(node, error_reason(reply) if parsed is None else parsed)
         elif not 0 <= parsed.partition_id < self.config.clients:
             self.members.refuse(
                 node, f"it trains partition {parsed.partition_id}, not one of 0..{self.config.clients - 1}"
@@ -744,14 +749,15 @@ class ServerLoop:
                       f"{parsed.partition_id} of {parsed.partition_size}")  # fmt: skip
             log.warning("refused a reply: %s", parsed)
         if parsed is None:
+            reason = error_reason(reply)
             self.engine.fail(node, raised=refused_by_client(reply.error))
-            self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reply.error.reason}"))
-            log.warning("node %d replied with an error: %s", node, reply.error.reason)
-            self._stop_if_stuck(node, reply.error.reason)
+            self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reason}"))
+            log.warning("node %d replied with an error: %s", node, reason)
+            self._stop_if_stuck(node, reason)
             return ()
         if isinstance(parsed, str):
             log.warning("refused a reply from node %d: %s", node, parsed)
-            self.engine.receive(node, [])
+            self.engine.malformed(node)
             self.traffic.rejected.append(Rejection(partition, -1, parsed))
             return ()
         self.health[partition] = parsed.health
@@ -789,6 +795,8 @@ class ServerLoop:
             "wall_s": wall_s,
             "clients": sorted(closed.clients),
             "closed_by": closed.closed_by,
+            "clipped": sorted(closed.clipped),
+            "step_refused": closed.step_refused,
             "client_train_s": float(np.mean(closed.train_s or [math.nan])),
             "train_loss": float(np.mean([x for x in closed.losses if math.isfinite(x)] or [math.nan])),
             "client_health": {str(pid): report for pid, report in sorted(self.health.items())},

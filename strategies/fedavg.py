@@ -33,8 +33,9 @@ class WeightedMean:
         self.total_weight = 0.0
 
     def add(self, update: np.ndarray, weight: float) -> None:
-        """Add one client's decoded update Δ_k with weight n_k."""
-        self._sum += weight * update
+        """Add one client's decoded update Δ_k with weight n_k, in float64 (float32's n_k·Δ_k overflows from
+        ~3e38/n_k)."""
+        self._sum += weight * update.astype(np.float64)
         self.total_weight += weight
 
     def mean(self) -> np.ndarray:

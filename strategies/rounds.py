@@ -31,14 +31,18 @@ with fewer once every client sampled for it has answered it, some with an update
 could never gather K.
 
 A contribution is accepted once: late (its round is closed), repeated, or beyond what the client could legally
-have trained is refused with the reason, and so is a payload that does not decode or fails validation
-(``strategies.validation``), or an update whose weight, ``num_examples``, is not positive or is more than its
-partition has (``partition_sizes``; the agent reports its partition's size, ``edge.agent.Session.num_examples``,
-whatever the K local steps drew of it), so that no client can set the mean by its weight alone. An update refused
-as unusable still answers its round: the client has moved on and will not train that round again, so the round
-closes without it (a round nobody could contribute to leaves the global model where it was). A client whose last
-``MAX_FAILED_REPLIES`` replies were all errors or wholly refused as unusable is taken to fail for good; once one
-does and the oldest open round can no longer gather its quorum without it, the engine is ``stuck``.
+have trained is refused with the reason, and so is a payload that does not decode, or an update whose weight,
+``num_examples``, is not positive or is more than its partition has (``partition_sizes``; the agent reports its
+partition's size, ``edge.agent.Session.num_examples``, whatever the K local steps drew of it), so that no client
+can set the mean by its weight alone; every update taken is clipped to the bound the other clients' norms set
+(``strategies.validation``). An update refused as unusable still answers its round: the client has moved on and
+will not train that round again, so the round closes without it (a round nobody could contribute to leaves the
+global model where it was). A client whose last
+``MAX_FAILED_REPLIES`` replies were all errors, malformed or wholly refused as unusable is taken to fail for good;
+once one does and the oldest open round can no longer gather its quorum without it, the engine is ``stuck``. A
+client is sent at most ``MAX_FAILED_REPLIES`` messages after failures while the global model stays where it is: a
+node cannot make the server answer each bad reply with a new message, and a round that has its quorum does not
+wait for it.
 
 Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
 a new node is a fresh client, sent the newest global model first (as deltas from the start model when
@@ -62,7 +66,7 @@ from strategies.codecs import Layout, MalformedUpdate, server_compressor
 from strategies.fedavg import FedAvgServer, ServerMomentum, apply_update
 from strategies.sampling import Sampler
 from strategies.strategy import Contribution, RoundSum, ServerHalf
-from strategies.validation import NormOutlierFilter
+from strategies.validation import InfluenceBound, l2_norm, model_bound
 
 MAX_FAILED_REPLIES = 5
 
@@ -117,6 +121,8 @@ class ClosedRound:
     closed_by: str  # "all", "deadline" or (FedBuff) "buffer"
     momentum: np.ndarray  # the server's momentum mᵗ after this round (empty without global momentum)
     strategy_state: dict[str, np.ndarray] = field(default_factory=dict)  # the server half's state() after it
+    clipped: list[int] = field(default_factory=list)  # clients whose update was clipped to its bound
+    step_refused: str | None = None  # why the round's step was not applied (its mean or new model not finite)
 
 
 @dataclass
@@ -128,6 +134,8 @@ class _Client:
     resend_updates: bool = False  # a reply of its was lost: ask it to send its kept updates again
     behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
     failures: int = 0  # replies in a row that were errors or had every update refused as invalid
+    failed_round: int = -1  # the newest global round when it last failed (an error, malformed or wrong-key reply)
+    failed_in_round: int = 0  # its failures while the global model stayed at ``failed_round``
     source: int | None = None  # the partition its replies name (None: none yet; its node id stands for it)
 
 
@@ -139,6 +147,8 @@ class _OpenRound:
     train_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     refused: list[int] = field(default_factory=list)  # clients whose update was refused as unusable: they answered
+    held: list[tuple[Contribution, np.ndarray]] = field(default_factory=list)  # no bound yet: bounded at the close
+    clipped: list[int] = field(default_factory=list)
 
     @property
     def answered(self) -> set[int]:
@@ -169,7 +179,7 @@ class RoundEngine:
         deadline_s: float | None = None,
         start_round: int = 0,
         aggregator: Aggregator | None = None,
-        validator: NormOutlierFilter | None = None,
+        validator: InfluenceBound | None = None,
         clients_build_start: bool = False,
         momentum: ServerMomentum | None = None,
         sampler: Sampler | None = None,
@@ -241,7 +251,7 @@ class RoundEngine:
         c.source = c.source if partition is None else partition
         new_global = self.aggregated > c.delivered or c.resend_global
         limit = most_in_flight(self.window) if new_global else self.window  # a new global model goes at once
-        if self.done or c.in_flight >= limit:
+        if self.done or c.in_flight >= limit or self._failed_enough(c):
             return None
         frontier = min(self.rounds, self.aggregated + self.delay + 1)
         if not self.sampler.everyone and c.received <= self.aggregated:
@@ -294,22 +304,44 @@ class RoundEngine:
         return rejections
 
     def fail(self, client: int, raised: bool = True) -> None:
-        """A message to ``client`` came back as an error: it may not have the global model, so send it again, and
-        a reply of its may have been lost, so ask for its kept updates again. ``raised``: the client itself failed
-        (e.g. its training gave NaN), which counts toward ``stuck``; a message the network or the SuperLink lost
-        does not."""
+        """A message to ``client`` came back as an error: it may not have the global model, so send it again, and a
+        reply of its may have been lost, so ask for its kept updates again. ``raised``: the client itself failed
+        (e.g. its training gave NaN), which counts toward ``stuck`` and toward ``MAX_FAILED_REPLIES`` a round; a
+        message the network or the SuperLink lost does not."""
         c = self._clients.setdefault(client, _Client())
         c.in_flight = max(0, c.in_flight - 1)
         c.resend_global = c.resend_updates = True
         c.failures += raised
+        if raised:
+            self._failed_once(c)
+
+    def malformed(self, client: int) -> None:
+        """``client``'s reply could not be read (``contract.wire``): its failure, and nothing else changes."""
+        c = self._clients.setdefault(client, _Client())
+        c.in_flight = max(0, c.in_flight - 1)
+        c.failures += 1
+        self._failed_once(c)
 
     def lost(self, client: int) -> None:
         """The reply to a message to ``client`` was taken from someone else (and refused: it did not echo the
         message's key). Flower's SuperLink keeps one reply per message, so the client's own will be refused as a
-        duplicate: its next message asks it to send again every update it has kept."""
+        duplicate: its next message asks it to send again every update it has kept. Not counted as ``client``'s
+        failure: Flower's SuperLink takes a reply to a message from any node that names it, so a wrong key says
+        nothing of who sent it, and counting it would let one node make another fail."""
         c = self._clients.setdefault(client, _Client())
         c.in_flight = max(0, c.in_flight - 1)
         c.resend_updates = True
+
+    def _failed_once(self, c: _Client) -> None:
+        """One more failure of ``c``'s while the global model is where it is."""
+        if c.failed_round != self.aggregated:
+            c.failed_round, c.failed_in_round = self.aggregated, 0
+        c.failed_in_round += 1
+
+    def _failed_enough(self, c: _Client) -> bool:
+        """``c`` failed ``MAX_FAILED_REPLIES`` times since the global model last moved: it is sent nothing more
+        until it moves (a node that answers every message wrongly cannot make the server send it thousands)."""
+        return c.failed_round == self.aggregated and c.failed_in_round >= MAX_FAILED_REPLIES
 
     def retire(self, client: int) -> None:
         """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""
@@ -347,15 +379,42 @@ class RoundEngine:
         if isinstance(update, str):
             open_round.refused.append(source)
             return Rejection(source, item.round, update)
-        if self.aggregator:
-            open_round.updates.append((update, item.num_examples))
+        contribution = Contribution(source, item.round, target, item.num_examples)
+        bound = self.validator.bound(source) if self.validator else None
+        if self.validator and bound is None:
+            open_round.held.append((contribution, update))  # nobody else's norm is known yet: see _release_held
         else:
-            self.strategy.add(open_round.mean, update, Contribution(source, item.round, target, item.num_examples))
+            self._take(open_round, contribution, update, bound)
         open_round.clients.append(source)
         open_round.train_s.append(item.train_s)
         open_round.losses.append(item.loss)
         c.behind = False
         return None
+
+    def _take(
+        self, open_round: _OpenRound, contribution: Contribution, update: np.ndarray, bound: float | None
+    ) -> None:
+        """An update into its round's sum (or the Aggregator's list), clipped to ``bound``
+        (``strategies.validation``)."""
+        if self.validator:
+            clipped = self.validator.clip(contribution.source, update, bound)
+            update = clipped.update
+            if clipped.clipped:
+                open_round.clipped.append(contribution.source)
+        if self.aggregator:
+            open_round.updates.append((update, contribution.num_examples))
+        else:
+            self.strategy.add(open_round.mean, update, contribution)
+
+    def _release_held(self, open_round: _OpenRound) -> None:
+        """The updates that came before any other client's norm was known, each bounded by the round's others (and
+        any norm recorded since), or by the global model's norm when it has no other."""
+        assert self.validator is not None  # only a validator holds updates
+        norms = {contribution.source: l2_norm(update) for contribution, update in open_round.held}
+        bounds = [self.validator.bound(c.source, norms) or model_bound(self.global_params) for c, _ in open_round.held]
+        for (contribution, update), bound in zip(open_round.held, bounds, strict=True):
+            self._take(open_round, contribution, update, bound)
+        open_round.held.clear()
 
     def _accumulator(self) -> RoundSum:
         return self.strategy.open(self.global_params.size)
@@ -374,7 +433,7 @@ class RoundEngine:
             update = server_compressor(item.stype).decode(item.payload, self.layout)
         except MalformedUpdate as exc:
             return f"malformed: {exc}"
-        return (self.validator.check(update) if self.validator else None) or update
+        return update
 
     def close_rounds(self, now: float) -> list[ClosedRound]:
         """Close every round that can be closed, oldest first, moving the global model."""
@@ -390,18 +449,18 @@ class RoundEngine:
                     how = "all"
                 else:
                     break
-            elif open_round and count + len(open_round.refused) >= self.per_round:
+            elif open_round and count + len(open_round.refused) + self._given_up(round_, open_round) >= self.per_round:
                 how = "all"
             elif count >= self.min_clients and self._deadline_passed(now):
                 how = "deadline"
             else:
                 break
             del self._open[round_]
+            refused = None
             if count:
-                mean = self.aggregator(open_round.updates) if self.aggregator else open_round.mean.mean()
-                mean = self.strategy.close(open_round.mean, mean)
-                step = self.momentum.step(mean) if self.momentum else mean
-                self.global_params = apply_update(self.global_params, step)
+                if open_round.held:
+                    self._release_held(open_round)
+                refused = self._step(open_round)
             self.aggregated = round_
             self._oldest_open_since = now
             closed.append(
@@ -414,9 +473,40 @@ class RoundEngine:
                     how,
                     self.momentum.buffer.copy() if self.momentum else np.zeros(0, np.float32),
                     self.strategy.state(),
+                    open_round.clipped,
+                    refused,
                 )
             )
         return closed
+
+    def _step(self, open_round: _OpenRound) -> str | None:
+        """Move the global model by the round's step; or leave it where it was and say why: a mean update or a new
+        model that is not finite is refused as a whole (the server's momentum too is left as it was)."""
+        mean = self.aggregator(open_round.updates) if self.aggregator else open_round.mean.mean()
+        if not np.isfinite(mean).all():
+            return "the round's mean update is not finite"
+        mean = self.strategy.close(open_round.mean, mean)
+        before = self.momentum.buffer.copy() if self.momentum else None
+        step = self.momentum.step(mean) if self.momentum else mean
+        with np.errstate(over="ignore"):  # checked below
+            params = apply_update(self.global_params, step)
+        if not np.isfinite(params).all():
+            if self.momentum and before is not None:
+                self.momentum.buffer = before
+            return "the new global model is not finite"
+        self.global_params = params
+        return None
+
+    def _given_up(self, round_: int, open_round: _OpenRound) -> int:
+        """The clients sampled for ``round_`` that have not answered it and are sent nothing more while it is open
+        (``_failed_enough``): the round does not wait for them once it has its quorum."""
+        if len(open_round.clients) < self.min_clients:
+            return 0
+        sources = {client if c.source is None else c.source: c for client, c in self._clients.items()}
+        return sum(
+            self._failed_enough(c) and self.sampler.trains(source, round_) and source not in open_round.answered
+            for source, c in sources.items()
+        )
 
     def _all_answered(self, round_: int, open_round: _OpenRound) -> bool:
         """Every client sampled for FedBuff's step ``round_`` has answered it (a stale update that entered it from a

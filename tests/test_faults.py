@@ -539,3 +539,27 @@ def test_resume_needs_an_unfinished_run_with_a_checkpoint(tmp_path: Path, edgefl
     assert len(done.stderr.strip().splitlines()) == 1
     done = edgefl_main("run", "--resume", str(tmp_path / "missing"))
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+def test_a_node_whose_replies_fail_is_sent_a_bounded_number_of_messages_a_round() -> None:
+    """Malformed and error replies each count as the node's failure; after ``MAX_FAILED_REPLIES`` of them while the
+    global model stays put it is sent nothing more until the model moves (before, each was answered with a new
+    message at once: thousands inside one open round). A reply with another message's key counts for nobody: any
+    node may push it."""
+    engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=3, num_clients=2, quorum=0.5, deadline_s=1.0)
+    engine.start_clock(0.0)
+    failed = 0
+    while engine.next_request(1) is not None:
+        engine.lost(1)  # not its failure: it is asked again
+        assert engine.next_request(1) is not None
+        if failed % 2:
+            engine.malformed(1)
+        else:
+            engine.fail(1)
+        failed += 1
+        assert failed <= MAX_FAILED_REPLIES
+    assert failed == MAX_FAILED_REPLIES
+    assert engine.next_request(0) is not None and engine.receive(0, [_update([1, 1], 1)], partition=0) == []
+    [closed] = engine.close_rounds(now=0.5)  # it has its quorum: it does not wait out the deadline for node 1
+    assert (closed.clients, closed.closed_by) == ([0], "all")
+    assert engine.next_request(1) is not None  # the model moved: it is asked again

@@ -4,17 +4,20 @@ served to it; the Control API only with a submitter certificate; the SuperLink's
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from edgefl.certs import make_node_keys, make_server_certs, make_submitter_certs
-from edgefl.gateway import Gateway
+from edgefl.gateway import CONNECTIONS_PER_ADDRESS, Gateway
 from edgefl.launcher import FEDERATION, flower_env, run_flwr, write_flwr_home
 from edgefl.processes import LaunchError, ProcessGroup, free_port
 from netem.profiles import BUILTIN_LINKS
@@ -115,3 +118,52 @@ def test_the_gateway_serves_from_a_relative_log_folder(tmp_path: Path, monkeypat
         assert folder.is_absolute() and (folder / "nginx.pid").exists()
         with socket.create_connection(("127.0.0.1", port), timeout=10):
             pass
+
+
+class _Upstream(http.server.BaseHTTPRequestHandler):
+    """Stands in for the SuperLink behind the gateway (what is tested is nginx's limits, not Flower): reads the
+    body and answers 200."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _post(port: int, path: str, body: bytes, source: str = "127.0.0.1") -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20, source_address=(source, 0))
+    try:
+        conn.request("POST", path, body=body)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_one_address_cannot_take_the_door_and_bodies_are_small_but_uploads(tmp_path: Path) -> None:
+    """Real nginx on loopback: an address holding ``CONNECTIONS_PER_ADDRESS`` uploads open (headers sent, bodies
+    trickling) is refused a further request with 429 while another address is served; a request body over
+    ``SMALL_BODY`` is refused (413) everywhere but an object upload."""
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    held: list[socket.socket] = []
+    try:
+        with ProcessGroup(tmp_path / "logs", dict(os.environ)) as procs:
+            Gateway("127.0.0.1", port, upstream.server_address[1], None).start(procs, ())
+            big = b"x" * 100_000
+            assert _post(port, "/v1/fleet/pull-messages", big) == 413
+            assert _post(port, "/v1/fleet/push-object", big) == 200
+            for _ in range(CONNECTIONS_PER_ADDRESS):
+                stranger = socket.create_connection(("127.0.0.1", port), timeout=20, source_address=("127.0.0.2", 0))
+                stranger.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nx")
+                held.append(stranger)
+            assert _post(port, "/v1/fleet/pull-messages", b"", source="127.0.0.2") == 429
+            assert _post(port, "/v1/fleet/pull-messages", b"") == 200
+    finally:
+        for stranger in held:
+            stranger.close()
+        upstream.shutdown()

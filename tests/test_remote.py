@@ -154,7 +154,7 @@ def test_wrong_ca_is_one_clear_line_for_client_and_run(tmp_path: Path, edgefl_ma
         assert edgefl_main("certs", "--out", str(folder), "--submitters", "1").returncode == 0
     ready = tmp_path / "s.ready"
     server = Command("server", "--listen", f"127.0.0.1:{port}", "--certs", str(certs), "--out", str(tmp_path / "s"),
-                     "--ready-file", str(ready))  # fmt: skip
+                     "--ready-file", str(ready), "--allow-any-device")  # fmt: skip
     try:
         assert server.wait_for("^gateway ") in ready.read_text().splitlines()  # written before it was printed
         wrong = ["--server", f"127.0.0.1:{port}", "--root-cert", str(other / "ca.pem")]
@@ -214,6 +214,7 @@ CLIENT = ["client", "--insecure", "--num-partitions", "2", "--dataset", "digits"
         (["run", *FAST, "--server", "127.0.0.1:9"], "are for --federation remote"),
         (["server", "--listen", "127.0.0.1:9", "--insecure", "--auth-keys", "a.pub"], "needs TLS"),
         (["server", "--listen", "127.0.0.1:9"], "--certs DIR"),
+        (["server", "--listen", "127.0.0.1:9", "--insecure"], "refusing to serve without device authentication"),
     ],
 )
 def test_bad_input_is_one_clear_line(args: list[str], needle: str, tmp_path: Path, edgefl_main) -> None:
@@ -284,8 +285,8 @@ def test_the_server_writes_its_ready_file_as_it_prints_how_to_join(
     monkeypatch.setattr("edgefl.remote.start_superlink", lambda procs, argv: None)
     monkeypatch.setattr("edgefl.remote.Gateway.start", lambda self, procs: procs.log_dir / "gateway")
     monkeypatch.setattr("edgefl.remote.time", SimpleNamespace(sleep=interrupt))
-    done = edgefl_main("server", "--listen", f"127.0.0.1:{free_port()}", "--insecure", "--out", tmp_path / "s",
-                       "--ready-file", ready)  # fmt: skip
+    done = edgefl_main("server", "--listen", f"127.0.0.1:{free_port()}", "--insecure", "--allow-any-device",
+                       "--out", tmp_path / "s", "--ready-file", ready)  # fmt: skip
     assert done.returncode == 130, done.stderr
     assert at_first_poll == [done.stdout] and "each device joins with" in done.stdout
     assert not ready.exists()

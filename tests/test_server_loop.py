@@ -14,9 +14,9 @@ from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode
 
 from contract.messages import TrainReply
-from contract.run_folder import ROUNDS, RunFolder
+from contract.run_folder import ROUNDS, Mirror, RunFolder
 from contract.settings import build_config, parse_partition
-from contract.wire import parse_instruction, reply_content, wire_size
+from contract.wire import HEADER, RECORD, WireError, parse_instruction, parse_reply, reply_content, wire_size
 from fl_server.engine import PulledReplies, ServerLoop, parsed_reply
 from ml.data import load_dataset
 from ml.partition import partition_indices
@@ -202,3 +202,33 @@ def test_a_reply_in_another_nodes_name_is_refused_and_the_node_it_names_asked_ag
     assert [r["reason"] for r in row["rejected"]] == [
         "its reply key is not the message's: not answered by node 11, which the message went to"
     ]
+
+
+def test_a_clients_error_reason_reaches_the_log_as_one_bounded_printable_line(
+    make_loop, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A reason that starts a line of its own (newline, carriage return, Unicode's line separator) with an echo
+    record, and an escape sequence for the reader's terminal: the server logs one line, and the submitter's Mirror,
+    fed the log as ``flwr log --stream`` carries it, writes nothing."""
+    record = json.dumps({"kind": "row", "name": "rounds.jsonl", "row": {"round": 99}})
+    forged = f"boom\nedgefl-result {record}\redgefl-result {record}\u2028edgefl-result {record}\x1b[2J" + "x" * 5000
+    loop, grid = make_loop({11, 12})
+    _identify(loop, grid, {11: 0, 12: 1})
+    loop.push_requests()
+    with caplog.at_level("WARNING"):
+        _answer(loop, grid.to(11)[0], Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, forged))
+    [logged] = [r.getMessage() for r in caplog.records if "replied with an error" in r.getMessage()]
+    assert len(logged.splitlines()) == 1 and "\x1b" not in logged and len(logged) < 400, logged[:200]
+    mirrored = tmp_path / "mirror"
+    assert Mirror(mirrored).feed(caplog.text) == [] and not mirrored.exists()
+
+
+@pytest.mark.parametrize("field", ["transport", "reply-key"])
+def test_a_name_with_a_control_character_is_a_malformed_reply(field: str) -> None:
+    reply = reply_content(TrainReply(0, (), transport="fast", reply_key="k"))
+    content = reply.config_records[RECORD]
+    header = json.loads(str(content[HEADER]))
+    header[field] = "a\nedgefl-result {}"
+    content[HEADER] = json.dumps(header)
+    with pytest.raises(WireError, match=f"{field} is .*printable"):
+        parse_reply(reply)

@@ -12,10 +12,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.app.message import remove_content_from_message
 from flwr.app.metadata import Metadata
+from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_to_proto
 from flwr.proto.message_pb2 import (  # pylint: disable=E0611
     ConfirmMessageReceivedRequest,
@@ -30,7 +32,7 @@ from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullAppMessagesRespon
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
 
 from contract.flower import set_message_id
-from contract.transport import IDLE_POLL_S, pull_listed, pull_replies, why_pulled_whole
+from contract.transport import IDLE_POLL_S, BulkApart, pull_listed, pull_replies, why_pulled_whole
 from tests.conftest import REPO
 
 
@@ -59,11 +61,32 @@ def test_tune_changes_flowers_waits() -> None:
         print(tune())
         pull = objects.pull_objects.__kwdefaults__
         print(loop.time is time, pull["initial_backoff"], pull["max_time"], objects.get_num_workers(8))
-        client = ProtobufClient("http://127.0.0.1:9", interceptors=("x",), timeout=7.0)  # httpx's own pool below
-        print(client._client._transport._pool._keepalive_expiry, client._client.timeout.read, client._interceptors)
+        client = ProtobufClient("http://127.0.0.1:9", interceptors=("x",), timeout=7.0)  # httpx's own pools below
+        pools = client._client._transport.pools.values()
+        print(*{pool._pool._keepalive_expiry for pool in pools}, len(pools), client._client.timeout.read)
+        print(client._interceptors)
     """)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["fast", "False", "0.01", "60.0", "8", "60.0", "7.0", "('x',)"]
+    assert done.stdout.split() == ["fast", "False", "0.01", "60.0", "8", "60.0", "3", "7.0", "('x',)"]
+
+
+def test_objects_up_objects_down_and_the_rest_each_go_on_a_pool_of_their_own() -> None:
+    """A model down and an update up never share a connection, nor meet one that only carried small requests."""
+    made: list[list[str]] = []
+
+    def pool() -> httpx.MockTransport:
+        seen: list[str] = []
+        made.append(seen)
+        return httpx.MockTransport(lambda request: seen.append(request.url.path) or httpx.Response(200))
+
+    with httpx.Client(transport=BulkApart(pool)) as client:
+        for path in ("push-object", "pull-object", "pull-messages", "push-object", "push-messages", "pull-object"):
+            client.post(f"https://server:9092/api/v0/fleet/{path}")
+    assert made == [
+        ["/api/v0/fleet/push-object"] * 2,
+        ["/api/v0/fleet/pull-object"] * 2,
+        ["/api/v0/fleet/pull-messages", "/api/v0/fleet/push-messages"],
+    ]
 
 
 def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
@@ -77,7 +100,7 @@ def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
         print(transport.tune())
         print(loop.time is time, objects.pull_objects.__kwdefaults__["initial_backoff"])
         from flwr.supercore.protobuf.client import ProtobufClient
-        print(ProtobufClient("http://127.0.0.1:9")._client._transport._pool._keepalive_expiry)  # httpx's 5 s
+        print(ProtobufClient("http://127.0.0.1:9")._client._transport._pool._keepalive_expiry)  # httpx's one, 5 s
     """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["stock", "True", "1", "5.0"]
@@ -284,14 +307,19 @@ def test_over_the_channel_replies_go_out_at_once_and_a_full_agent_is_polled_for_
     assert waited < transport.SLOW_POLL_S  # the loop went on as soon as the agent wanted a message
 
 
-def _reply(node_id: int, value: float) -> tuple[Message, dict[str, bytes], MessageProto, ObjectTree]:
+def _reply(
+    node_id: int, value: float, extra_records: int = 0
+) -> tuple[Message, dict[str, bytes], MessageProto, ObjectTree]:
     """A reply of node ``node_id`` as the SuperLink holds it once pushed: the message, its objects by id, and its
-    proto and object tree as PullMessages lists it."""
+    proto and object tree as PullMessages lists it. Its shape is an edgefl reply's (one ConfigRecord: 3 objects),
+    with ``extra_records`` more records."""
     metadata = Metadata(
         run_id=1, message_id="", src_node_id=node_id, dst_node_id=0, reply_to_message_id=f"{value:064.0f}",
         group_id="1", created_at=time.time(), ttl=3600, message_type="train",
     )  # fmt: skip
-    content = RecordDict({"update": ArrayRecord({"w": Array(np.full(1000, value, np.float32))})})
+    records = {"update": ConfigRecord({"w": np.full(1000, value, np.float32).tobytes()})}
+    records.update({f"extra-{i}": ConfigRecord({"x": f"y{i}".encode()}) for i in range(extra_records)})
+    content = RecordDict(records)
     message = Message(content, metadata=metadata)
     objects = {object_id: obj.deflate() for object_id, obj in get_all_nested_objects(message).items()}
     set_message_id(message, message.object_id)
@@ -350,11 +378,22 @@ def test_a_reply_listed_with_a_stalled_upload_comes_as_soon_as_its_own_objects_a
     assert [p.metadata.message_id for p in pulled] == [r[0].metadata.message_id for r in (other, stalled, later)]
     assert runtime.confirmed == [p.metadata.message_id for p in pulled]
     for reply, (sent, *_) in zip(pulled, (other, stalled, later), strict=True):
-        np.testing.assert_array_equal(reply.content["update"]["w"].numpy(), sent.content["update"]["w"].numpy())
+        assert reply.content["update"]["w"] == sent.content["update"]["w"]
         assert reply.metadata.reply_to_message_id == sent.metadata.reply_to_message_id
     assert next(replies, None) is None
     runtime.replies = []  # most polls: nothing listed
     assert list(pull_listed(runtime, Node(node_id=0), 1, ["a"])) == []
+
+
+def test_a_reply_of_more_objects_than_edgefls_is_refused_before_any_is_pulled() -> None:
+    """A reply with 40 extra records (43 objects; edgefl's have 3) was pulled whole and parsed as a TrainReply: now
+    none of its objects is asked for, it comes as the node's error, and its receipt is confirmed."""
+    runtime = _StalledUpload([_reply(1, 1.0, extra_records=40)], (None, ()))  # PullObject would note each ask
+    proto = runtime.replies[0][2]
+    [refused] = pull_listed(runtime, Node(node_id=0), 1, ["a"])
+    assert refused.has_error() and "lists 43 objects, an edgefl reply 3: not pulled" in refused.error.reason
+    assert refused.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert runtime.asked_before == set() and runtime.confirmed == [proto.metadata.message_id]
 
 
 def test_a_grid_pull_that_differs_is_flowers_own() -> None:

@@ -1,17 +1,17 @@
-"""Update validation: malformed updates (NaN/Inf, wrong shape) are refused by the decoders, norm outliers by
-``strategies.validation``; every refusal reaches the round engine's rejections with its reason."""
+"""Update validation: malformed updates (NaN/Inf, wrong shape) are refused by the decoders, each with its reason
+in the round engine's rejections; every other update is bounded by the other clients' norms
+(``strategies.validation``), from the run's first reply on, and a step that is not finite is refused whole."""
 
 from __future__ import annotations
-
-from collections import deque
 
 import numpy as np
 import pytest
 
 from strategies.codecs import CompressorState
 from strategies.codecs.dense import NoCompression
-from strategies.rounds import RoundEngine, Update
-from strategies.validation import NORM_CHUNK, NormOutlierFilter, l2_norm
+from strategies.fedavg import WeightedMean
+from strategies.rounds import ClosedRound, RoundEngine, Update
+from strategies.validation import NORM_CHUNK, InfluenceBound, l2_norm
 
 LAYOUT = (("w", (3,)), ("b", (2,)))
 SIZE = 5
@@ -24,63 +24,120 @@ def _contribution(values: np.ndarray, round_: int = 1, layout=LAYOUT) -> Update:
     return Update(round_, codec.stype, payload, 10)
 
 
-def _engine(clients: int = 4, norms: list[float] | None = None) -> RoundEngine:
+def _engine(clients: int = 4, history: np.ndarray | None = None) -> RoundEngine:
     engine = RoundEngine(
-        np.zeros(SIZE, np.float32),
-        LAYOUT,
-        rounds=3,
-        num_clients=clients,
-        validator=NormOutlierFilter(norms=norms or []),
+        np.zeros(SIZE, np.float32), LAYOUT, rounds=3, num_clients=clients, validator=InfluenceBound(history=history)
     )
     for client in range(clients):
         engine.next_request(client)
     return engine
 
 
-def test_norm_outlier_is_refused_with_the_reason_and_others_pass() -> None:
-    rng = np.random.default_rng(0)
-    honest = [rng.normal(0, 1, SIZE) for _ in range(3)]
-    engine = _engine(norms=[float(np.linalg.norm(u)) for u in honest])
-    median = float(np.median([np.linalg.norm(u) for u in honest]))
-    poisoned = honest[0] / np.linalg.norm(honest[0]) * median * 50
-    assert engine.receive(0, [_contribution(honest[1])]) == []
-    [rejection] = engine.receive(1, [_contribution(poisoned)])
-    assert rejection.client == 1 and rejection.round == 1
-    assert rejection.reason.startswith("outlier:") and "upper quartile" in rejection.reason
-    # Just under the bound is accepted: the filter refuses outliers, not large-ish updates.
-    borderline = honest[2] / np.linalg.norm(honest[2]) * median * 9
-    assert engine.receive(2, [_contribution(borderline)]) == []
+def _round(engine: RoundEngine, updates: dict[int, np.ndarray], round_: int = 1) -> ClosedRound:
+    """Every client's update for ``round_`` in the order given, then the round closed."""
+    for client, values in updates.items():
+        assert engine.receive(client, [_contribution(values, round_)]) == []
+    [closed] = engine.close_rounds(now=0.0)
+    for client in updates:
+        engine.next_request(client)
+    return closed
 
 
-def test_the_history_follows_accepted_norms_only() -> None:
-    check = NormOutlierFilter(norm_factor=10, history=4, min_history=2)
-    assert check.check(np.full(SIZE, 1.0)) is None  # nothing to compare with yet
-    assert check.check(np.full(SIZE, 1.0)) is None
-    assert check.check(np.full(SIZE, 100.0)) is not None
-    assert len(check.norms) == 2  # the refused norm did not enter the history
-    for _ in range(4):  # honest updates that shrink move the median with them (short history)
-        assert check.check(np.full(SIZE, 0.01)) is None
-    assert check.check(np.full(SIZE, 1.0)) is not None
+def test_a_first_reply_of_3e38_cannot_overflow_or_capture_the_round() -> None:
+    """The run's first reply, before any norm is known, is bounded by the round's other updates: the model stays
+    finite and moves by at most a quarter (its weight) of 10x the others' median norm."""
+    engine = _engine()
+    honest = {client: np.full(SIZE, 0.1 * client) for client in (1, 2, 3)}
+    closed = _round(engine, {0: np.full(SIZE, 3e38), **honest})
+    assert closed.clipped == [0] and closed.step_refused is None
+    others = sorted(float(np.linalg.norm(u)) for u in honest.values())
+    attacker = 10 * others[1] * np.ones(SIZE) / np.sqrt(SIZE)
+    expected = (attacker + sum(honest.values())) / 4
+    np.testing.assert_allclose(closed.global_params, expected, rtol=1e-5)
 
 
-def test_a_finite_float32_update_too_large_to_square_in_float32_is_still_an_outlier() -> None:
-    check = NormOutlierFilter(norm_factor=10, min_history=1, norms=[1.0])
-    huge = np.full(SIZE, 1e30, np.float32)  # finite, but its float32 norm would be inf
-    reason = check.check(huge)
-    assert reason is not None and "L2 norm 2.236e+30 " in reason, reason
-    assert check.norms == deque([1.0])
+@pytest.mark.parametrize("clients, attackers", [(2, 1), (4, 1), (8, 1), (8, 2)])
+def test_an_adaptive_attacker_at_its_bound_cannot_ratchet_it(clients: int, attackers: int) -> None:
+    """Attackers that know their bound and send just under it every round (colluding: each one's norms are the
+    others' history) stay at 10x the honest clients' norms over 30 rounds, with 2, 4 and 8 clients."""
+    bound = InfluenceBound()
+    honest_norm = 1.0
+    sent = []
+    for _ in range(30):
+        for client in range(clients):
+            if client < attackers:
+                limit = bound.bound(client)
+                norm = 1e6 if limit is None else limit * 0.999
+                sent.append(norm)
+            else:
+                norm = honest_norm
+            bound.clip(client, np.full(SIZE, norm / np.sqrt(SIZE), np.float32), bound.bound(client))
+    assert max(sent[attackers:]) <= 10 * honest_norm * (1 + 1e-6), max(sent)
+    assert max(max(bound.norms[client]) for client in range(attackers)) <= 10 * honest_norm * (1 + 1e-6)
 
 
-def test_dgas_alternating_honest_norms_pass_and_a_hundredfold_update_does_not() -> None:
+def test_a_clients_own_norms_never_enter_its_bound() -> None:
+    bound = InfluenceBound(history=np.array([[0, 1e6], [0, 1e6], [1, 1.0], [2, 2.0]]))
+    assert bound.bound(0) == pytest.approx(10 * 1.5)  # the median of clients 1 and 2's
+    assert bound.bound(1) == pytest.approx(10 * (1e6 + 2.0) / 2)  # the others set it, client 0 among them
+
+
+def test_a_clipped_update_keeps_its_direction_and_its_recorded_norm_is_the_bound() -> None:
+    bound = InfluenceBound(history=np.array([[1, 1.0]]))
+    clipped = bound.clip(0, np.array([3e30, 4e30, 0, 0, 0], np.float32), bound.bound(0))
+    assert clipped.clipped and "clipped: L2 norm 5e+30 to 10" in clipped.reason
+    np.testing.assert_allclose(clipped.update, [6.0, 8.0, 0, 0, 0], rtol=1e-6)
+    assert list(bound.norms[0]) == [10.0]
+
+
+def test_dgas_alternating_honest_norms_are_not_clipped_and_a_hundredfold_update_is() -> None:
     """Norms from DGA D = 1, digits, 300 local steps a round (the median of 4 clients in rounds 1–8): a round
-    that continues the client's own model moves it 20x less than the next, which starts from a new average.
-    Round 1 closed with 2 clients, the others with 4 (the median of the history was 0.108 when round 3's 2.063
-    came: refused as a 19x outlier by a median-based bound)."""
-    check = NormOutlierFilter()
-    for round_, norm in enumerate((9.115, 0.108, 2.063, 0.097, 1.369, 0.083, 0.387, 0.069), start=1):
-        for _ in range(2 if round_ == 1 else 4):
-            assert check.check(np.full(SIZE, norm / np.sqrt(SIZE))) is None, (round_, norm)
-    assert check.check(np.full(SIZE, 100 * 2.063 / np.sqrt(SIZE))) is not None
+    that continues the client's own model moves it 20x less than the next, which starts from a new average. Each
+    client is counted by its largest recent norm, so its small ones do not pull the bound down."""
+    bound = InfluenceBound()
+    for norm in (9.115, 0.108, 2.063, 0.097, 1.369, 0.083, 0.387, 0.069):
+        for client in range(4):
+            clipped = bound.clip(client, np.full(SIZE, norm / np.sqrt(SIZE)), bound.bound(client))
+            assert not clipped.clipped, norm
+    assert bound.clip(0, np.full(SIZE, 100 * 2.063 / np.sqrt(SIZE)), bound.bound(0)).clipped
+
+
+def test_a_round_with_no_other_client_is_bounded_by_the_models_norm() -> None:
+    engine = RoundEngine(np.full(SIZE, 2.0, np.float32), LAYOUT, rounds=3, num_clients=1, validator=InfluenceBound())
+    engine.next_request(0)
+    closed = _round(engine, {0: np.full(SIZE, 1e30)})
+    assert closed.clipped == [0]
+    np.testing.assert_allclose(closed.global_params, np.full(SIZE, 4.0), rtol=1e-6)
+
+
+def test_a_step_that_is_not_finite_is_refused_and_the_run_goes_on() -> None:
+    """Without a bound (no validator), a finite update on a model near float32's limit would make it Inf: the
+    round closes, the model stays where it was, and the next round moves it."""
+    engine = RoundEngine(np.full(SIZE, 3e38, np.float32), LAYOUT, rounds=3, num_clients=1)
+    engine.next_request(0)
+    closed = _round(engine, {0: np.full(SIZE, 3e38)})
+    assert closed.step_refused == "the new global model is not finite"
+    np.testing.assert_array_equal(closed.global_params, np.full(SIZE, 3e38, np.float32))
+    closed = _round(engine, {0: np.full(SIZE, -1e38)}, round_=2)
+    assert closed.step_refused is None and np.isfinite(closed.global_params).all()
+
+
+def test_the_weighted_mean_sums_in_float64() -> None:
+    """n_k · Δ_k of a finite float32 update overflowed float32 before (3e38 x 10 examples): now it is exact."""
+    mean = WeightedMean(SIZE)
+    mean.add(np.full(SIZE, 3e38, np.float32), 10)
+    mean.add(np.full(SIZE, -3e38, np.float32), 10)
+    np.testing.assert_array_equal(mean.mean(), np.zeros(SIZE, np.float32))
+
+
+def test_the_history_survives_a_checkpoint_and_reads_older_ones() -> None:
+    bound = InfluenceBound()
+    for client, norm in ((0, 1.0), (1, 2.0), (0, 3.0)):
+        bound.record(client, norm)
+    again = InfluenceBound(history=bound.history_rows())
+    assert {client: list(norms) for client, norms in again.norms.items()} == {0: [1.0, 3.0], 1: [2.0]}
+    older = InfluenceBound(history=np.array([0.5, 0.25]))  # a checkpoint's plain norms, before clients were kept
+    assert older.bound(0) == pytest.approx(5.0)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -99,7 +156,7 @@ def test_an_update_of_the_wrong_shape_is_refused_as_malformed() -> None:
 
 
 def test_refused_updates_leave_the_aggregate_untouched() -> None:
-    engine = _engine(clients=2, norms=[1.0, 1.0, 1.0])
+    engine = _engine(clients=2, history=np.array([[0, 1.0], [1, 1.0]]))
     assert engine.receive(0, [_contribution(np.full(SIZE, 0.2))]) == []
     nan = np.full(SIZE, np.nan)
     assert engine.receive(1, [_contribution(nan)])[0].reason.startswith("malformed")
@@ -109,12 +166,12 @@ def test_refused_updates_leave_the_aggregate_untouched() -> None:
     assert engine.receive(1, [_contribution(np.full(SIZE, 0.4))])[0].reason.startswith("repeated")
 
 
-def test_bad_filter_settings_are_refused() -> None:
+def test_bad_bound_settings_are_refused() -> None:
     """No setting reaches them (the server uses this module's constants): a bad one is a programming error."""
     with pytest.raises(AssertionError, match="norm_factor"):
-        NormOutlierFilter(norm_factor=1.0)
-    with pytest.raises(AssertionError, match="min_history"):
-        NormOutlierFilter(history=2, min_history=3)
+        InfluenceBound(norm_factor=1.0)
+    with pytest.raises(AssertionError, match="per_client"):
+        InfluenceBound(per_client=0)
 
 
 def test_the_norm_is_summed_in_float64_across_chunks() -> None:

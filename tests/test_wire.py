@@ -257,7 +257,7 @@ def test_a_hostile_number_in_any_reply_field_is_refused_with_its_reason(field: s
         ("u.train-s", "NaN", "update 0: train-s is nan, not a number in [0, 2.592e+06]"),
         ("partition-id", HUGE, "partition-id is 10000000000000000000...(401 characters), not an integer"),
         ("held-s", "Infinity", "held-s is inf, not a number in [0, 2.592e+06]"),
-        ("u.stype", "7", "update 0: stype is 7, not a name of 1 to 64 characters"),
+        ("u.stype", "7", "update 0: stype is 7, not a name of 1 to 64 printable characters"),
         ("transport", '"' + "x" * 65 + '"', "transport is 'xxxxxxxxxxxxxxxxxxx...(67 characters), not a name"),
         ("health", '{"t": NaN}', "health reading 't' is nan, not a number"),
         ("health", '{"t": [1]}', "health reading 't' is [1], not a name"),
