@@ -11,7 +11,9 @@ The ServerApp writes them through ``RunFolder``. In a run submitted from another
 the submitter (``flwr log --stream``); there a ``Mirror`` writes the same files into the submitter's folder. A
 whole file is echoed base64 in chunks, each naming the file's SHA-256; the checkpoint, written every round, is
 echoed only before the run's last word (its summary or its error), so the submitter can resume it or bench its
-model. The submitter's folder names the server's folder of the run (``REMOTE_RUN``); a resumed run goes on there,
+model. Over TLS each line is signed with a secret only the submitters and the server hold (``ECHO_KEY``), and the
+Mirror writes nothing a line without the signature says. The submitter's folder names the server's folder of the
+run (``REMOTE_RUN``); a resumed run goes on there,
 from the server's own checkpoint, and first echoes its rounds.jsonl whole, cut back to that checkpoint.
 
 A round's row is appended before its checkpoint is written, so after a crash rounds.jsonl may run ahead of the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -51,6 +54,8 @@ RUN_FILES = (ROUNDS, MESSAGES, SUMMARY, CHECKPOINT, GLOBAL_ONNX, SERVER_ERROR, S
 
 
 ECHO = "edgefl-result "
+ECHO_KEY = "echo.key"  # the secret echo lines are signed with (HMAC-SHA256): made by ``edgefl certs --submitters``,
+# held by the submitters and copied by ``edgefl server`` beside its runs; no device has it
 ECHO_CHUNK = 48_000  # bytes of a binary file per echoed line (base64: 64 kB)
 REMOTE_RUN = ".remote-run"  # in a remote run's folder on the submitter: the server's folder of the run
 ECHOED_ROWS = (ROUNDS, MESSAGES)
@@ -65,6 +70,7 @@ class RunFolder:
 
     path: Path
     echo: bool = False
+    echo_key: bytes | None = None  # sign each echoed line (``ECHO_KEY``); None: lines unsigned (--insecure servers)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -133,9 +139,22 @@ class RunFolder:
 
     def _say(self, record: dict[str, Any]) -> None:
         if self.echo:
+            text = json.dumps(record)
+            signature = f"{echo_signature(self.echo_key, text)} " if self.echo_key else ""
             with _say_lock:
-                sys.stdout.write(ECHO + json.dumps(record) + "\n")
+                sys.stdout.write(ECHO + signature + text + "\n")
                 sys.stdout.flush()
+
+
+def echo_signature(key: bytes, text: str) -> str:
+    """HMAC-SHA256 of an echoed record's JSON text under ``key``, in hex: the ServerApp's, which a device cannot
+    make (a device's words reach the log the submitter mirrors, but not the key)."""
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def read_echo_key(path: Path) -> bytes:
+    """The secret in ``path`` (``ECHO_KEY``, hex text)."""
+    return bytes.fromhex(path.read_text().strip())
 
 
 def remote_folder_name(run: str, run_id: int | str) -> str:
@@ -159,8 +178,10 @@ class Mirror:
     order and their SHA-256 is the one each names. An echo cut short or garbled is refused with its reason and not
     written: the file keeps what it had."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, key: bytes | None = None) -> None:
+        """``key``: the run's echo lines must carry its signature (``echo_signature``); any other is refused."""
         self.out = out
+        self.key = key
         self._pending: dict[str, _Parts] = {}
         self._broken: set[str] = set()  # files whose echo was refused: their parts until the next echo are dropped
 
@@ -169,8 +190,14 @@ class Mirror:
         refused: list[str] = []
         for line in text.splitlines():
             if line.startswith(ECHO):
+                text = line.removeprefix(ECHO)
+                if self.key:
+                    signature, _, text = text.partition(" ")
+                    if not hmac.compare_digest(signature, echo_signature(self.key, text)):
+                        refused.append("an echo line without the ServerApp's signature; not written")
+                        continue
                 try:
-                    self._take(json.loads(line.removeprefix(ECHO)), refused)
+                    self._take(json.loads(text), refused)
                 except (ValueError, TypeError, KeyError, AttributeError, binascii.Error) as exc:
                     refused.append(f"a garbled echo line ({type(exc).__name__}: {exc})")
         return refused

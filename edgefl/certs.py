@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from contract.errors import EdgeflError
+from contract.run_folder import ECHO_KEY
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
@@ -137,7 +139,9 @@ def make_server_certs(out: Path, hosts: list[str]) -> ServerCerts:
 
 def make_submitter_certs(out: Path, count: int) -> list[Path]:
     """``count`` client certificates ``submitter-I.pem`` (+ ``.key``) signed by the CA in ``out``, for TLS client
-    authentication only (the server's own certificate is for server use only, so it is not one)."""
+    authentication only (the server's own certificate is for server use only, so it is not one), and the secret
+    the server signs its runs' echoed results with (``ECHO_KEY``, made once), which each submitter keeps beside its
+    certificate."""
     if count < 1:
         raise CertError(f"--submitters must be at least 1, got {count}")
     try:
@@ -163,6 +167,8 @@ def make_submitter_certs(out: Path, count: int) -> list[Path]:
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_private(path.with_suffix(".key"), _pem_key(key))
         certs.append(path)
+    if not (out / ECHO_KEY).exists():  # one for the server's submitters: given with their certificates
+        _write_private(out / ECHO_KEY, secrets.token_hex(32).encode())
     return certs
 
 

@@ -29,6 +29,7 @@ from contract.flower import FLOWER_CONFIG_FILE, flwr_run, serverapp_command
 from contract.run_folder import (
     CHECKPOINT,
     CONFIG,
+    ECHO_KEY,
     GLOBAL_ONNX,
     MESSAGES,
     REMOTE_RUN,
@@ -37,6 +38,7 @@ from contract.run_folder import (
     SERVER_LOG,
     SUMMARY,
     Mirror,
+    read_echo_key,
     read_rounds,
     remote_folder_name,
 )
@@ -475,6 +477,20 @@ class LocalFederation:
         return submit(config, run_dir, self.address, None, self.procs.env, self.place.server_prefix)
 
 
+def echo_key(config: RunConfig) -> bytes | None:
+    """The echo secret beside the submitter's certificate (``contract.run_folder.ECHO_KEY``); None without TLS."""
+    if not config.submitter_cert:
+        return None
+    path = Path(config.submitter_cert).resolve().parent / ECHO_KEY
+    try:
+        return read_echo_key(path)
+    except (OSError, ValueError):
+        raise ConfigError(
+            f"no echo secret at {path}: the server signs a run's results with the {ECHO_KEY} edgefl certs "
+            "--submitters wrote beside the submitter certificates; copy it there"
+        ) from None
+
+
 def submit_remote(config: RunConfig, run_dir: Path, procs: ProcessGroup) -> tuple[str, Path]:
     """Submit ``config`` to the running server at ``config.server`` once it is reachable with the configured TLS
     (its ServerApp waits for ``config.clients`` SuperNodes to join) and stream the run's log here: returns
@@ -517,12 +533,15 @@ class EchoStream:
     """A remote run's streamed log (``procs``'s process RUN_LOG, writing ``log``), mirrored into ``run_dir`` as it
     grows (``contract.run_folder.Mirror``); what the mirror refuses is said with ``progress``."""
 
-    def __init__(self, log: Path, run_dir: Path, procs: ProcessGroup, progress: Callable[[str], None]) -> None:
+    def __init__(
+        self, log: Path, run_dir: Path, procs: ProcessGroup, progress: Callable[[str], None], key: bytes | None = None
+    ) -> None:
+        """``key``: the server's echo secret (``echo_key``): every echoed line must be signed with it."""
         self.log = log
         self.run_dir = run_dir
         self.stream = dict(procs.procs)[RUN_LOG]
         self.progress = progress
-        self.mirror = Mirror(run_dir)
+        self.mirror = Mirror(run_dir, key)
         self.offset = 0
 
     def pull(self) -> bool:
@@ -648,13 +667,14 @@ def run(config: RunConfig, progress: Callable[[str], None] = print, resume: bool
     with placement_for(config) as place:
         config = dataclasses.replace(config, link_backend=place.backend)
         save_config(config, run_dir / CONFIG)
+        key = echo_key(config)  # before anything starts on the server
         with ProcessGroup(logs, flower_env(run_dir)) as procs:
             run_id, echo = submit_remote(config, run_dir, procs)
             progress(
                 f"run {run_id}: {config.strategy} on {config.dataset} ({config.partition}), "
                 f"{config.clients} clients, the SuperLink at {config.server}"
             )
-            stream = EchoStream(echo, run_dir, procs, progress)
+            stream = EchoStream(echo, run_dir, procs, progress, key)
             try:
                 follow(config, run_dir, procs, progress, stream)
             except BaseException:  # that SuperLink outlives us: end the run there too, and keep its checkpoint

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.run_folder import ECHO_KEY
 from contract.settings import ConfigError, RunConfig, parse_address
 from edge.devices import AgentThreads, DeviceCaps, HostFollower, device_profile
 from edgefl.certs import (
@@ -173,6 +174,10 @@ def serve(
     out = out.resolve()
     logs = out / "logs"
     env = flower_env(out)
+    if certs and (key := certs.ca.parent / ECHO_KEY).is_file():  # the ServerApp signs its runs' echoes with it
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(key, out / ECHO_KEY)
+        (out / ECHO_KEY).chmod(0o600)
     with ProcessGroup(logs, env) as procs:
         local_port = free_port()
         local = f"127.0.0.1:{local_port}"
@@ -385,7 +390,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
         print(f"SuperNode keys: {keys[0].parent}/node-I.key to device I, node-I.pub to edgefl server --auth-keys")
     if args.submitters:
         submitters = make_submitter_certs(args.out, args.submitters)
-        print(f"submitter certificates: {submitters[0].parent}/submitter-I.pem (+ .key) to whoever submits runs")
+        print(
+            f"submitter certificates: {submitters[0].parent}/submitter-I.pem (+ .key, and {ECHO_KEY} beside them) "
+            "to whoever submits runs"
+        )
     return 0
 
 

@@ -19,9 +19,11 @@ from contract.errors import EdgeflError
 from contract.flower import add_exit_handler
 from contract.parent import watch_parent
 from contract.run_folder import (
+    ECHO_KEY,
     ROUNDS,
     SERVER_ERROR,
     RunFolder,
+    read_echo_key,
     remote_folder_name,
     truncate_rounds,
 )
@@ -38,18 +40,21 @@ STARTED = {True: "forked warm (fl_server.warm)", False: "started by Flower's Sup
 def run_folder_of(config: RunConfig, context: Context) -> RunFolder:
     """The folder a run writes: ``run-dir`` when the submitter shares this machine, else one under the
     server's own folder (the parent of FLWR_HOME, e.g. ``edgefl server --out``), echoed to the submitter: the
-    folder of the run it resumes (``resume-folder``) when that holds a checkpoint, else a new one."""
+    folder of the run it resumes (``resume-folder``) when that holds a checkpoint, else a new one; its lines signed
+    with the server's ``ECHO_KEY`` where ``edgefl server`` put one (a TLS server with submitters)."""
     if run_dir := str(context.run_config.get("run-dir", "")):
         return RunFolder(Path(run_dir))
-    runs = Path(os.environ.get("FLWR_HOME", ".flwr")).resolve().parent / "runs"
+    server = Path(os.environ.get("FLWR_HOME", ".flwr")).resolve().parent
+    runs, key_file = server / "runs", server / ECHO_KEY
+    key = read_echo_key(key_file) if key_file.is_file() else None
     resumed = str(context.run_config.get("resume-folder", ""))
     if resumed == Path(resumed).name and resumed not in ("", ".", ".."):
-        folder = RunFolder(runs / resumed, echo=True)
+        folder = RunFolder(runs / resumed, echo=True, echo_key=key)
         if folder.checkpoint_path.is_file():
             return folder
     path = runs / remote_folder_name(config.name, context.run_id)
     path.mkdir(parents=True, exist_ok=True)
-    return RunFolder(path, echo=True)
+    return RunFolder(path, echo=True, echo_key=key)
 
 
 def run_app(context: Context, body: Callable[[RunConfig, RunFolder], None]) -> None:

@@ -14,6 +14,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from contract.run_folder import ECHO_KEY, read_echo_key
+from contract.settings import ConfigError, build_config
 from edgefl.certs import (
     CertError,
     ServerCerts,
@@ -22,8 +24,9 @@ from edgefl.certs import (
     check_node_public_key,
     make_node_keys,
     make_server_certs,
+    make_submitter_certs,
 )
-from edgefl.launcher import reach_superlink
+from edgefl.launcher import echo_key, reach_superlink
 from edgefl.processes import LaunchError, free_port
 
 
@@ -106,3 +109,20 @@ def test_reach_superlink_verifies_the_server_certificate(tls_server: tuple[str, 
 def test_reach_superlink_gives_up_after_the_bounded_wait() -> None:
     with pytest.raises(LaunchError, match=r"cannot reach the SuperLink .* in 1 s"):
         reach_superlink(f"127.0.0.1:{free_port()}", None, timeout_s=1)
+
+
+def test_submitters_get_one_echo_secret_kept_private_and_made_once(tmp_path: Path) -> None:
+    make_server_certs(tmp_path, ["127.0.0.1"])
+    make_submitter_certs(tmp_path, 2)
+    key = tmp_path / ECHO_KEY
+    first = read_echo_key(key)
+    assert len(first) == 32 and key.stat().st_mode & 0o077 == 0
+    make_submitter_certs(tmp_path, 1)  # more submitters later: the server's secret stays
+    assert read_echo_key(key) == first
+
+
+def test_a_submitter_without_the_echo_secret_is_one_line(tmp_path: Path) -> None:
+    config = build_config(federation="remote", server="127.0.0.1:9", root_cert="ca.pem",
+                          submitter_cert=str(tmp_path / "submitter-0.pem"))  # fmt: skip
+    with pytest.raises(ConfigError, match=f"no echo secret at {tmp_path / ECHO_KEY}"):
+        echo_key(config)

@@ -28,6 +28,7 @@ from contract.run_folder import (
     Checkpoint,
     Mirror,
     RunFolder,
+    echo_signature,
     read_rounds,
 )
 from contract.settings import build_config, save_config
@@ -219,3 +220,30 @@ def test_a_remote_run_resumes_only_where_it_names_the_servers_folder(tmp_path: P
     (run_dir / REMOTE_RUN).write_text("r-7\n")
     assert prepare_run_dir(config, resume=True) == run_dir
     assert not (prepare_run_dir(config) / REMOTE_RUN).exists()  # a fresh run names none until it is submitted
+
+
+def test_signed_echoes_are_mirrored_and_a_line_without_the_servers_signature_is_not(
+    server: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Over TLS the ServerApp signs each line with the secret only the server and its submitters hold: a device
+    whose words reach the log (a line of its own choosing, unsigned or signed with another key) writes nothing."""
+    key = os.urandom(32)
+    folder = RunFolder(server, echo=True, echo_key=key)
+    _a_run(folder, rounds=1)
+    folder.write(SUMMARY, b'{"rounds": 1}\n')
+    text = capsys.readouterr().out
+    row = json.dumps({"file": ROUNDS, "row": {"round": 99}})
+    forged = [ECHO + row, ECHO + f"{echo_signature(os.urandom(32), row)} {row}", ECHO + "0" * 64 + " " + row]
+    out = tmp_path / "submitter"
+    out.mkdir()
+    mirror = Mirror(out, key)
+    refused = mirror.feed("\n".join([*forged, text]))
+    assert refused == ["an echo line without the ServerApp's signature; not written"] * 3 and mirror.close() == []
+    assert (out / ROUNDS).read_bytes() == (server / ROUNDS).read_bytes()
+    assert (out / SUMMARY).read_bytes() == (server / SUMMARY).read_bytes()
+    unsigned = RunFolder(tmp_path / "other", echo=True)  # a server without the secret: nothing of it is taken
+    (tmp_path / "other").mkdir()
+    unsigned.append(ROUNDS, {"round": 1})
+    assert Mirror(out, key).feed(capsys.readouterr().out) == [
+        "an echo line without the ServerApp's signature; not written"
+    ]
