@@ -208,6 +208,21 @@ class Stranger(threading.Thread):
                 self.probes.append({"probe": name, "answer": json.dumps(answer)[:160], "refused": False})
             except LaunchError as exc:
                 self.probes.append({"probe": name, "answer": str(exc)[:200], "refused": True})
+        self._join_as_a_device(ca, key.with_suffix(".key"), home)
+
+    def _join_as_a_device(self, ca: Path, key: Path, home: Path) -> None:
+        """``edgefl client`` from the stranger's namespace with a key of its own, claiming partition 0: the
+        federation authenticates its devices, so its SuperNode is refused and the command ends in one line."""
+        config = self.fed.config
+        argv = [*self.prefix, sys.executable, "-m", "edgefl.cli", "client", "--server", self.gateway,
+                "--root-cert", str(ca), "--auth-key", str(key), "--partition-id", "0",
+                "--num-partitions", str(config.clients), "--dataset", config.dataset, "--out", str(home / "client"),
+                "--connect-timeout", "30"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        refused = done.returncode != 0 and "refused this SuperNode" in said
+        self.probes.append({"probe": "a SuperNode of its own (edgefl client, its own key)", "answer": said[:200],
+                            "refused": refused})  # fmt: skip
 
     def _requests(self, host: str, ca: Path, probes: list[tuple[str, int, str]]) -> None:
         """The PROBE requests, from the stranger's namespace."""

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from contract.run_folder import (
 )
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
 from edge.devices import NO_CAP, AgentThreads, DeviceCaps, DeviceError, HostFollower, cpu_hierarchy
-from edgefl.certs import ServerCerts, make_server_certs
+from edgefl.certs import ServerCerts, make_node_keys, make_server_certs
 from edgefl.forkserver import ForkServer, ServedCommand, write_shim
 from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
 from edgefl.processes import (
@@ -388,6 +389,7 @@ class LocalFederation:
         self.caps = caps
         self.app = app_for(config)
         self.certs: ServerCerts | None = None  # TLS on a non-loopback SuperLink address
+        self.node_keys: list[Path] = []  # each device's SuperNode key there (node authentication)
         self.runtimes: list[NodeRuntime | None] = []
         self.address = ""  # where runs are submitted
         self.device_address = ""  # where devices dial: the gateway, or the SuperLink itself on loopback
@@ -410,13 +412,17 @@ class LocalFederation:
         if self.place.backend == "loopback":
             self.address = address
             start_superlink(self.procs, superlink_argv("127.0.0.1", port, None), warm=self.app == "edgefl")
-        else:  # devices in other namespaces reach the SuperLink as over a network: through the gateway, with TLS
+        else:  # devices in other namespaces reach the SuperLink as over a network: through the gateway, with TLS and
+            # node authentication, as edgefl server runs it
             self.certs = make_server_certs(self.run_dir / ".certs", [self.place.server_host])
+            self.node_keys = make_node_keys(self.run_dir / ".certs", self.config.clients)
             local_port = free_port()
             self.address = f"127.0.0.1:{local_port}"  # the server's own loopback, where runs are submitted
-            argv = superlink_argv("127.0.0.1", local_port, None)
+            argv = superlink_argv("127.0.0.1", local_port, self.certs, node_auth=True)
             start_superlink(self.procs, argv, self.place.server_prefix, warm=self.app == "edgefl")
-            Gateway(self.place.server_host, port, local_port, self.certs).start(self.procs, self.place.server_prefix)
+            gateway = Gateway(self.place.server_host, port, local_port, self.certs, superlink_tls=True)
+            gateway.start(self.procs, self.place.server_prefix)
+            self._register_nodes()
         agents = nodes = None
         if self.app == "edgefl":
             agents = self.procs.start_forkserver(f"{FORKSERVER}agents", "fl_client.node")
@@ -424,9 +430,21 @@ class LocalFederation:
         self.runtimes = self._start_agents(agents) if agents else [None] * self.config.clients
         for i, runtime in enumerate(self.runtimes):
             node_config = f"partition-id={i} num-partitions={self.config.clients}"
-            supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config, serve=runtime)
+            key = self.node_keys[i] if self.node_keys else None
+            supernode = supernode_argv(address, self.certs.ca if self.certs else None, node_config, key, runtime)
             self._start_client_process(nodes if runtime else None, f"supernode-{i}", i, supernode)
         return address
+
+    def _register_nodes(self) -> None:
+        """Register each device's public key with the SuperLink (``flwr supernode register``, side by side, from the
+        server's namespace): only those SuperNodes may join."""
+        assert self.certs is not None
+        write_flwr_home(Path(self.procs.env["FLWR_HOME"]), self.address, self.certs.ca)
+        with ThreadPoolExecutor(max_workers=len(self.node_keys)) as pool:
+            register = [["supernode", "register", str(key.with_suffix(".pub")), FEDERATION] for key in self.node_keys]
+            calls = [pool.submit(run_flwr, args, self.procs.env, self.place.server_prefix) for args in register]
+            for call in calls:
+                call.result()
 
     def _start_client_process(self, server: ForkServer | None, name: str, client: int, argv: list[str]) -> None:
         """Client ``client``'s process ``argv`` in its place: forked by ``server`` when given (``argv`` is then a
@@ -474,7 +492,8 @@ class LocalFederation:
     def submit(self, config: RunConfig, run_dir: Path) -> str:
         """``flwr run`` of ``config`` against our SuperLink (from the server's namespace, on its loopback); returns
         Flower's run id."""
-        return submit(config, run_dir, self.address, None, self.procs.env, self.place.server_prefix)
+        root_cert = self.certs.ca if self.certs else None
+        return submit(config, run_dir, self.address, root_cert, self.procs.env, self.place.server_prefix)
 
 
 def echo_key(config: RunConfig) -> bytes | None:
