@@ -134,6 +134,10 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _UpstreamServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024  # the held uploads' connections arrive at once (the default backlog is 5)
+
+
 def _post(port: int, path: str, body: bytes, source: str = "127.0.0.1") -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20, source_address=(source, 0))
     try:
@@ -147,7 +151,7 @@ def test_one_address_cannot_take_the_door_and_bodies_are_small_but_uploads(tmp_p
     """Real nginx on loopback: an address holding ``CONNECTIONS_PER_ADDRESS`` uploads open (headers sent, bodies
     trickling) is refused a further request with 429 while another address is served; a request body over
     ``SMALL_BODY`` is refused (413) everywhere but an object upload."""
-    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    upstream = _UpstreamServer(("127.0.0.1", 0), _Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     port = free_port()
     held: list[socket.socket] = []
