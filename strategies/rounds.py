@@ -37,12 +37,11 @@ partition's size, ``edge.agent.Session.num_examples``, whatever the K local step
 can set the mean by its weight alone; every update taken is clipped to the bound the other clients' norms set
 (``strategies.validation``). An update refused as unusable still answers its round: the client has moved on and
 will not train that round again, so the round closes without it (a round nobody could contribute to leaves the
-global model where it was). A client whose last
-``MAX_FAILED_REPLIES`` replies were all errors, malformed or wholly refused as unusable is taken to fail for good;
-once one does and the oldest open round can no longer gather its quorum without it, the engine is ``stuck``. A
-client is sent at most ``MAX_FAILED_REPLIES`` messages after failures while the global model stays where it is: a
-node cannot make the server answer each bad reply with a new message, and a round that has its quorum does not
-wait for it.
+global model where it was). A client whose last ``MAX_FAILED_REPLIES`` replies were all errors, malformed or
+wholly refused as unusable is taken to fail for good; once one does and the oldest open round can no longer gather
+its quorum without it, the engine is ``stuck``. A client is sent at most ``MAX_FAILED_REPLIES`` messages after
+failures while the global model stays where it is: a node cannot make the server answer each bad reply with a new
+message, and a round that has its quorum does not wait for it.
 
 Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
 a new node is a fresh client, sent the newest global model first (as deltas from the start model when
@@ -133,8 +132,8 @@ class _Client:
     resend_global: bool = False  # a message to it failed: it may not hold the global model it was sent
     resend_updates: bool = False  # a reply of its was lost: ask it to send its kept updates again
     behind: bool = False  # its newest update came late (e.g. it just rejoined): ask it for the newest round
-    failures: int = 0  # replies in a row that were errors or had every update refused as invalid
-    failed_round: int = -1  # the newest global round when it last failed (an error, malformed or wrong-key reply)
+    failures: int = 0  # replies in a row that were errors, malformed or had every update refused as invalid
+    failed_round: int = -1  # the newest global round when it last failed (its error or a malformed reply)
     failed_in_round: int = 0  # its failures while the global model stayed at ``failed_round``
     source: int | None = None  # the partition its replies name (None: none yet; its node id stands for it)
 
