@@ -34,7 +34,8 @@ OTHER_REFUSED = "only the Fleet API (/v1/fleet/) is served to the network"
 # payload is one bytes value of a ConfigRecord, one object: this caps a reply's updates together (a dense update
 # of the largest model edgefl ships, LEAF's LSTM, is 3.3 MB).
 MAX_BODY = "16m"
-SMALL_BODY = "64k"  # every request but an object upload (a message's envelope, a pull, a heartbeat): well under
+SMALL_BODY = "64k"  # every request but an object upload and a submitted run's app: a message's envelope, a pull,
+# a heartbeat are a few kB
 # Limits per address, far above what devices need (a device keeps up to ~10 connections open and sends a few dozen
 # requests a second while it transfers; behind one NAT, or on loopback, devices share an address: ~25 fit) and far
 # below what locks the door: one address cannot take all the connections, nor queue requests without bound.

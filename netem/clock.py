@@ -33,10 +33,12 @@ A message cycle (the server pushes a message, the client trains the rounds it br
   ``contract.transport``; httpx's own is 5 s) are closed but for the one the SuperNode's polls keep open, so a
   model that goes more than that after the last model went either way (the pooled connections carry both ways'
   models) pays (C − 1)/C of S(b) in expectation (``cold_share``): FedAvg's way up when a round trains longer, DGA's
-  pipeline, whose models go every round, mostly not. A connection kept
-  open keeps its window over an idle spell (``bench/idle_transfer.py``: on the testbed, with BBR, a transfer after
-  3 s idle takes what a warm one does; cubic with ``net.ipv4.tcp_slow_start_after_idle`` restarts from IW, which
-  the clock does not model).
+  pipeline, whose models go every round, mostly not. Since ``contract.transport.BulkApart`` the SuperNode keeps
+  objects up, objects down and its polls on pools apart, so after such a spell a model meets only connections cold
+  its way: the clock's (C − 1)/C, counted from a model either way, undercounts that case (rounds over 60 s apart;
+  not changed yet). A connection kept open keeps its window over an idle spell (``bench/idle_transfer.py``: on the
+  testbed, with BBR, a transfer after 3 s idle takes what a warm one does; cubic with
+  ``net.ipv4.tcp_slow_start_after_idle`` restarts from IW, which the clock does not model).
 
 Jitter averages out and is left out. The cycle splits into the message's way down (F/2, F_d/2 and b_down's
 handling, ``DOWN_RTTS`` round trips, the transfer) and the reply's way up (the rest): ``ClientTimeline`` times

@@ -225,10 +225,9 @@ class RoundEngine:
         replies will not answer it, and its usable updates plus the clients that may still answer it are fewer than
         the quorum."""
         round_ = self.aggregated + 1
-        sources = {client if c.source is None else c.source: c for client, c in self._clients.items()}
         failing = {
             source
-            for source, c in sources.items()
+            for source, c in self._by_source().items()
             if c.failures >= MAX_FAILED_REPLIES and self.sampler.trains(source, round_)
         }
         if not failing:
@@ -238,6 +237,10 @@ class RoundEngine:
         usable = len(open_round.clients) if open_round else 0
         answered |= open_round.answered if open_round else set()
         return usable + self.per_round - len(answered | failing) < self.min_clients
+
+    def _by_source(self) -> dict[int, _Client]:
+        """Each client by what it trains: its partition, or its node id while it has named none."""
+        return {client if c.source is None else c.source: c for client, c in self._clients.items()}
 
     def start_clock(self, now: float) -> None:
         self._oldest_open_since = now
@@ -448,7 +451,7 @@ class RoundEngine:
                     how = "all"
                 else:
                     break
-            elif open_round and count + len(open_round.refused) + self._given_up(round_, open_round) >= self.per_round:
+            elif open_round and self._all_in(round_, open_round):
                 how = "all"
             elif count >= self.min_clients and self._deadline_passed(now):
                 how = "deadline"
@@ -496,16 +499,19 @@ class RoundEngine:
         self.global_params = params
         return None
 
-    def _given_up(self, round_: int, open_round: _OpenRound) -> int:
-        """The clients sampled for ``round_`` that have not answered it and are sent nothing more while it is open
-        (``_failed_enough``): the round does not wait for them once it has its quorum."""
+    def _all_in(self, round_: int, open_round: _OpenRound) -> bool:
+        """Every client sampled for ``round_`` has answered it, or (once it has its quorum) is sent nothing more while
+        it is open (``_failed_enough``): the round does not wait for those."""
+        answered = len(open_round.clients) + len(open_round.refused)
+        if answered >= self.per_round:
+            return True
         if len(open_round.clients) < self.min_clients:
-            return 0
-        sources = {client if c.source is None else c.source: c for client, c in self._clients.items()}
-        return sum(
+            return False
+        given_up = sum(
             self._failed_enough(c) and self.sampler.trains(source, round_) and source not in open_round.answered
-            for source, c in sources.items()
+            for source, c in self._by_source().items()
         )
+        return answered + given_up >= self.per_round
 
     def _all_answered(self, round_: int, open_round: _OpenRound) -> bool:
         """Every client sampled for FedBuff's step ``round_`` has answered it (a stale update that entered it from a
