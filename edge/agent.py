@@ -32,7 +32,7 @@ from contract.errors import PeerError
 from contract.messages import TrainInstruction, TrainReply
 from contract.settings import ClientJob
 from edge.health import health_snapshot
-from ml.data import Dataset, load_partition
+from ml.data import HF_PREFIX, Dataset, load_partition
 from ml.models import build_model, get_flat_params, param_layout, set_flat_params
 from ml.schedule import scheduled_lr
 from ml.trainer import LocalTrainer
@@ -60,8 +60,9 @@ class Session:
         self.job = job
         self.partition_id = partition_id
         if data is None:
-            data_dir = data_dir or job.data_dir or None
-            data = load_partition(job.dataset, data_dir, job.partition_spec, num_partitions, job.seed, partition_id)
+            data = load_partition(
+                job.dataset, data_dir or None, job.partition_spec, num_partitions, job.seed, partition_id
+            )
         self.num_examples = len(data.y_train)
         self.model = build_model(data, job.seed, job.model)
         self.layout = param_layout(self.model)
@@ -177,11 +178,18 @@ def check_partition(job: ClientJob, partition_id: int, num_partitions: int) -> N
 class EdgeAgent:
     """The device's session (one run's at a time) and the one thread that trains it (``trainer_tid``: an emulated
     device runs it on a core of its own, ``edge.devices.DeviceCaps``). ``data_dir`` is this device's data folder
-    (it wins over the run's); ``transport`` is how its SuperNode moves messages, told to the server."""
+    (it wins over the run's); ``transport`` is how its SuperNode moves messages, told to the server.
 
-    def __init__(self, data_dir: str = "", transport: str = "stock") -> None:
+    ``own_dataset``: the data set this device's owner named (``edgefl client --dataset``), for a device that does not
+    take the server's word on its own files and network: the run's data folder (a path on the server's machine) is
+    never read, only ``data_dir``, and a data set from the hub (``hf:``) is loaded only when it is this one. Empty:
+    the device and the server are one operator's (the local launcher), and the run's data folder is used when the
+    device has none."""
+
+    def __init__(self, data_dir: str = "", transport: str = "stock", own_dataset: str = "") -> None:
         self.data_dir = data_dir
         self.transport = transport
+        self.own_dataset = own_dataset
         self._cond = threading.Condition()
         self._building = threading.Lock()  # one session built at a time
         self._session: Session | None = None
@@ -248,6 +256,7 @@ class EdgeAgent:
                 raise AgentError(reason)
             job = ClientJob.from_json(job_text)
             check_partition(job, partition_id, num_partitions)
+            self._check_data_source(job)
             with self._cond:  # dropped before the new one is built: a device holds one run's data and model
                 if current:  # its held messages are answered at once
                     current.error = current.error or f"this device now trains run {run_id}, partition {partition_id}"
@@ -256,13 +265,25 @@ class EdgeAgent:
                 self._session, self._run_id, self._job_text = None, None, ""
                 self._cond.notify_all()
             del current
-            session = Session(job, partition_id, num_partitions, self.data_dir)
+            data_dir = self.data_dir or ("" if self.own_dataset else job.data_dir)
+            session = Session(job, partition_id, num_partitions, data_dir)
             with self._cond:
                 self._session, self._run_id, self._job_text = session, run_id, job_text
                 self._cond.notify_all()
         examples = session.num_examples
         log.info("new session: run %s, %s partition %d (%d examples)", run_id, job.dataset, partition_id, examples)
         return session
+
+    def _check_data_source(self, job: ClientJob) -> None:
+        """Refuse (AgentError, one line) a run whose data set this device would fetch from the hub on the server's
+        word alone (``own_dataset``)."""
+        if self.own_dataset and job.dataset.startswith(HF_PREFIX) and job.dataset != self.own_dataset:
+            reason = (
+                f"the run asks for the hub data set {job.dataset[:100]!r}; this device loads a hub data set only "
+                f"when its owner names it (edgefl client --dataset), and it was given {self.own_dataset!r}"
+            )
+            log.warning("refused: %s", reason)
+            raise AgentError(reason)
 
     def train(self, instr: TrainInstruction, partition_id: int, num_partitions: int, run_id: int) -> TrainReply:
         """Take the global model a message of the run ``run_id`` brings (if any), hold the message until a reply is

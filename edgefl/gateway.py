@@ -78,13 +78,15 @@ class Gateway:
     proxy_ssl_name localhost;
     proxy_ssl_session_reuse on;"""
         if self.certs:
+            revoked = self.certs.revoked  # a revoked submitter's certificate: 400, FAILED:certificate revoked
+            crl = f"\n        ssl_crl {revoked.resolve()};" if revoked else ""
             listen = f"listen {host}:{self.listen_port} ssl;"
             tls = f"""
         ssl_certificate {self.certs.cert.resolve()};
         ssl_certificate_key {self.certs.key.resolve()};
         ssl_client_certificate {self.certs.ca.resolve()};
         ssl_verify_client optional_no_ca;  # another CA's: $ssl_client_verify FAILED, 403 below; a bad one: 400
-        ssl_verify_depth 1;"""
+        ssl_verify_depth 1;{crl}"""
             control = f"""
         location /v1/control/ {{
             if ($ssl_client_verify != SUCCESS) {{ return 403 "{CONTROL_REFUSED} ($ssl_client_verify)\\n"; }}

@@ -31,6 +31,7 @@ from contract.run_folder import ECHO_KEY
 from contract.settings import ConfigError, RunConfig, parse_address
 from edge.devices import AgentThreads, DeviceCaps, HostFollower, device_profile
 from edgefl.certs import (
+    REVOKED,
     CertError,
     ServerCerts,
     certificate_hosts,
@@ -39,6 +40,7 @@ from edgefl.certs import (
     make_node_keys,
     make_server_certs,
     make_submitter_certs,
+    revoke,
 )
 from edgefl.gateway import Gateway
 from edgefl.launcher import (
@@ -257,8 +259,36 @@ class ClientSpec:
         load_dataset(self.dataset, self.data_dir or None)  # DataError if this device lacks the data
 
 
-def systemd_unit(spec: ClientSpec) -> str:
-    """A systemd service that keeps this device in the federation across failures and reboots."""
+def unit_user(spec: ClientSpec, run_as: str | None) -> str:
+    """The user a device's systemd unit runs ``edgefl client`` as: ``run_as``, else the user who ran ``sudo``, else
+    the owner of the working directory; root only when asked for by name (``--run-as root``), as an emulated device
+    profile needs (its cgroups). Raises ConfigError (one line) for an unknown user, a device profile without root,
+    root not asked for, or a key or folder the user could not read or write."""
+    import pwd
+
+    name = run_as or os.environ.get("SUDO_USER") or pwd.getpwuid(Path.cwd().stat().st_uid).pw_name
+    try:
+        user = pwd.getpwnam(name)
+    except KeyError:
+        raise ConfigError(f"--run-as {name}: no such user on this device") from None
+    capped = device_profile(spec.device_profile).speeds is not None
+    if user.pw_uid == 0 and run_as != "root":
+        raise ConfigError(
+            "the unit would run the device as root: run --install-systemd with sudo from the user the device runs "
+            "as, or name one with --run-as USER (--run-as root only for an emulated --device-profile)"
+        )
+    if user.pw_uid != 0 and capped:
+        raise ConfigError(f"--device-profile {spec.device_profile} emulates a device with cgroups, which needs root: "
+                          "--run-as root, or no --device-profile on a real device")  # fmt: skip
+    for path in (spec.auth_key, spec.folder if spec.folder.exists() else None):
+        if path is not None and user.pw_uid != 0 and path.stat().st_uid != user.pw_uid:
+            raise ConfigError(f"{path} belongs to another user than {name}, who runs the device: chown {name} {path}")
+    return name
+
+
+def systemd_unit(spec: ClientSpec, user: str) -> str:
+    """A systemd service that keeps this device in the federation across failures and reboots, as ``user``, with
+    no way to gain privileges and the operating system read-only to it."""
     return f"""\
 [Unit]
 Description=edgefl client {spec.partition_id} of {spec.num_partitions} (SuperLink {spec.server})
@@ -267,11 +297,15 @@ After=network-online.target
 
 [Service]
 Type=simple
+User={user}
 ExecStart={shlex.join(spec.argv())}
 WorkingDirectory={Path.cwd()}
 Environment=PYTHONUNBUFFERED=1
 Restart=on-failure
 RestartSec=10
+NoNewPrivileges=yes
+PrivateTmp=yes
+ProtectSystem=full
 
 [Install]
 WantedBy=multi-user.target
@@ -347,6 +381,7 @@ def join(spec: ClientSpec, progress: Callable[[str], None], ready: ReadyFile | N
         agent = stack.enter_context(ProcessGroup(logs, env))
         runtime = NodeRuntime.create(spec.folder, "node")
         data_dir = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []
+        data_dir += ["--own-dataset", spec.dataset]  # the server's word does not reach this device's files
 
         def start_agent() -> None:
             runtime.ready_file.unlink(missing_ok=True)
@@ -382,6 +417,12 @@ def join(spec: ClientSpec, progress: Callable[[str], None], ready: ReadyFile | N
 
 # ----- the commands -------------------------------------------------------------------------------------------
 def cmd_certs(args: argparse.Namespace) -> int:
+    if args.revoke:
+        if args.host or args.node_keys or args.submitters:
+            raise ConfigError("--revoke changes only the revocation list: give it with --out alone")
+        serial = revoke(args.out, args.revoke)
+        print(f"revoked {args.revoke} (serial {serial:x}) in {args.out / REVOKED}; restart edgefl server to apply it")
+        return 0
     certs = make_server_certs(args.out, args.host)
     print(f"CA certificate (give it to every device): {certs.ca}")
     print(f"server certificate for {', '.join(certificate_hosts(certs.cert))}: {certs.cert} (key {certs.key})")
@@ -419,10 +460,13 @@ def cmd_client(args: argparse.Namespace) -> int:
         args.server, args.partition_id, args.num_partitions, args.root_cert, args.auth_key, args.dataset,
         args.data_dir or "", args.device_profile, args.out, args.connect_timeout, args.startup_timeout,
     )  # fmt: skip
+    if args.run_as and args.install_systemd is None:
+        raise ConfigError("--run-as names the user of the unit --install-systemd writes; give both or neither")
     if args.install_systemd is not None:
         spec.check()
+        user = unit_user(spec, args.run_as)
         path = Path(args.install_systemd or f"/etc/systemd/system/edgefl-client-{spec.partition_id}.service")
-        path.write_text(systemd_unit(spec))
+        path.write_text(systemd_unit(spec, user))
         print(f"wrote {path}; enable it with: sudo systemctl daemon-reload && sudo systemctl enable --now {path.name}")
         return 0
     with ReadyFile(args.ready_file) as ready:
@@ -437,6 +481,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-keys", type=int, default=0, metavar="N", help="also N SuperNode key pairs node-I.key/.pub")
     p.add_argument("--submitters", type=int, default=0, metavar="N",
                    help="also N submitter certificates submitter-I.pem/.key (edgefl run --submitter-cert)")  # fmt: skip
+    p.add_argument("--revoke", type=Path, metavar="PEM", help="revoke this submitter certificate of the CA in --out "
+                   "(nothing else is made); the gateway refuses it from the server's next start")  # fmt: skip
     p.set_defaults(func=cmd_certs)
 
     p = sub.add_parser("server", help="run the SuperLink devices join (TLS); prints the edgefl client line")
@@ -474,4 +520,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--install-systemd", nargs="?", const="", default=None, metavar="UNIT_FILE",
                    help="write a systemd unit running this command instead of running it "
                    "(default /etc/systemd/system/edgefl-client-I.service)")  # fmt: skip
+    p.add_argument(
+        "--run-as",
+        metavar="USER",
+        help="the user the unit runs the device as (default: the user who ran "
+        "sudo, else the working directory's owner; root only by name, for an emulated --device-profile)",
+    )
     p.set_defaults(func=cmd_client)

@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--secret-file", type=Path, help="the SuperNode's --superexec-auth-secret-file")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--data-dir", default="", help="this device's folder of the data set (overrides the run's)")
+    parser.add_argument(
+        "--own-dataset", default="", metavar="NAME",
+        help="the data set this device's owner named: the run's data folder is never read, and a hub data set "
+        "(hf:) is loaded only when it is this one",
+    )  # fmt: skip
     parser.add_argument("--job", type=Path, help="JSON job of the coming run: load its data before round 1")
     parser.add_argument("--ready-file", type=Path, help="written once the agent is ready (its data loaded)")
     parser.add_argument(
@@ -117,7 +122,7 @@ def _agent(args: argparse.Namespace, transport: str) -> EdgeAgent:
     from fl_client.app import attach
 
     torch.set_num_threads(args.threads)
-    agent = EdgeAgent(args.data_dir, transport=transport)
+    agent = EdgeAgent(args.data_dir, transport=transport, own_dataset=args.own_dataset)
     if args.job:
         agent.session_for(args.job.read_text(), args.partition_id, args.num_partitions, run_id=None)
     attach(agent)

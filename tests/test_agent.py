@@ -23,16 +23,38 @@ RUN = 1  # Flower's run id of the messages
 
 def test_the_devices_data_dir_wins_over_the_runs() -> None:
     """The run was submitted on a machine whose data lives elsewhere: the agent's ``--data-dir`` points at
-    this device's copy."""
+    this device's copy; without one, a device of the same operator (the local launcher) reads the run's folder."""
     if not FASHION_MNIST_DIR.exists():
         pytest.skip("dataset-fashion-mnist is not installed")
     job = RunConfig(
         dataset="fashion-mnist", partition="iid", data_dir="/nonexistent/fashion-mnist", clients=2
     ).client_job()
-    with pytest.raises(DataError, match="/nonexistent/fashion-mnist"):
-        Session(job, 0, 2)
-    session = Session(job, 0, 2, data_dir=str(FASHION_MNIST_DIR))
-    assert session.num_examples > 0
+    for agent, fails in ((EdgeAgent(), True), (EdgeAgent(data_dir=str(FASHION_MNIST_DIR)), False)):
+        try:
+            if fails:
+                with pytest.raises(DataError, match="/nonexistent/fashion-mnist"):
+                    agent.session_for(job.to_json(), 0, 2, run_id=RUN)
+            else:
+                assert agent.session_for(job.to_json(), 0, 2, run_id=RUN).num_examples > 0
+        finally:
+            agent.stop()
+
+
+def test_a_device_of_its_own_takes_neither_the_runs_folder_nor_a_hub_data_set_it_did_not_name() -> None:
+    """``edgefl client`` names its data set (``own_dataset``): the server's data folder, a path on the device the
+    server chose, is never read (the device's own data is), and a hub data set the server asks for is refused in one
+    line before anything is fetched, unless it is the one the device's owner named."""
+    job = RunConfig(dataset="digits", partition="iid", data_dir="/etc", clients=2).client_job()
+    agent = EdgeAgent(own_dataset="digits")
+    try:
+        session = agent.session_for(job.to_json(), 0, 2, run_id=RUN)
+        assert session.num_examples > 0  # /etc was not read: digits loads from the package
+        hub = RunConfig(dataset="hf:someone/else\x1b[2J", partition="iid", clients=2).client_job()
+        with pytest.raises(AgentError, match=r"hub data set 'hf:someone/else.*only when its owner names it") as refused:
+            agent.session_for(hub.to_json(), 0, 2, run_id=RUN + 1)
+        assert "\n" not in str(refused.value) and "\x1b" not in str(refused.value)
+    finally:
+        agent.stop()
 
 
 def test_the_job_is_parsed_once_per_run_and_refused_when_malformed() -> None:

@@ -32,7 +32,7 @@ from strategies.downlink import BroadcastEncoder
 job = RunConfig(dataset="digits", partition="iid", clients=2, rounds=1, local_steps=3).client_job()
 path = sys.argv[1]
 open(path, "w").write(job.to_json())
-args = argparse.Namespace(threads=1, data_dir="", job=node.Path(path), partition_id=0, num_partitions=2,
+args = argparse.Namespace(threads=1, data_dir="", own_dataset="", job=node.Path(path), partition_id=0, num_partitions=2,
                           ready_file=None)
 agent = node._agent(args, node._transport(subprocess.Popen([sys.executable, "-c", node.TRANSPORT_CHECK],
                                                            stdout=subprocess.PIPE, text=True)))

@@ -17,6 +17,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from contract.run_folder import ECHO_KEY, read_echo_key
 from contract.settings import ConfigError, build_config
 from edgefl.certs import (
+    CA_KEY,
+    PRIVATE,
+    REVOKED,
+    SUBMITTER_DAYS,
     CertError,
     ServerCerts,
     certificate_hosts,
@@ -25,6 +29,7 @@ from edgefl.certs import (
     make_node_keys,
     make_server_certs,
     make_submitter_certs,
+    revoke,
 )
 from edgefl.launcher import echo_key, reach_superlink
 from edgefl.processes import LaunchError, free_port
@@ -126,3 +131,33 @@ def test_a_submitter_without_the_echo_secret_is_one_line(tmp_path: Path) -> None
                           submitter_cert=str(tmp_path / "submitter-0.pem"))  # fmt: skip
     with pytest.raises(ConfigError, match=f"no echo secret at {tmp_path / ECHO_KEY}"):
         echo_key(config)
+
+
+def test_the_cas_key_is_kept_apart_and_a_submitter_can_be_revoked(tmp_path: Path) -> None:
+    """The CA's key sits in a folder only its owner opens, not among the files handed out; a CA made where edgefl
+    kept its key before still signs; a revoked submitter's serial is on the CA's signed list (once, however often
+    it is revoked), a certificate of another CA is refused in one line, and submitters' certificates expire."""
+    make_server_certs(tmp_path, ["127.0.0.1"])
+    assert not (tmp_path / CA_KEY).exists() and (tmp_path / PRIVATE).stat().st_mode & 0o077 == 0
+    first, second = make_submitter_certs(tmp_path, 2)
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    cert = x509.load_pem_x509_certificate(first.read_bytes())
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert abs(lifetime.days - SUBMITTER_DAYS) <= 1
+
+    def revoked() -> list[int]:
+        crl = x509.load_pem_x509_crl((tmp_path / REVOKED).read_bytes())
+        assert crl.is_signature_valid(ca.public_key())
+        return [entry.serial_number for entry in crl]
+
+    assert revoked() == []
+    assert revoke(tmp_path, first) == cert.serial_number
+    revoke(tmp_path, first)
+    assert revoked() == [cert.serial_number]
+    other = make_server_certs(tmp_path / "other", [])
+    with pytest.raises(CertError, match="not a certificate of the CA"):
+        revoke(tmp_path, other.cert)
+    with pytest.raises(CertError, match="not a certificate of the CA"):
+        revoke(tmp_path, tmp_path / "missing.pem")
+    (tmp_path / PRIVATE / CA_KEY).rename(tmp_path / CA_KEY)  # a folder from before the key moved
+    assert make_submitter_certs(tmp_path, 1) and revoke(tmp_path, second) > 0

@@ -9,6 +9,7 @@ import http.server
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefl.certs import make_node_keys, make_server_certs, make_submitter_certs
+from edgefl.certs import ServerCerts, make_node_keys, make_server_certs, make_submitter_certs, revoke
 from edgefl.gateway import CONNECTIONS_PER_ADDRESS, Gateway
 from edgefl.launcher import FEDERATION, flower_env, run_flwr, write_flwr_home
 from edgefl.processes import LaunchError, ProcessGroup, free_port
@@ -170,4 +171,38 @@ def test_one_address_cannot_take_the_door_and_bodies_are_small_but_uploads(tmp_p
     finally:
         for stranger in held:
             stranger.close()
+        upstream.shutdown()
+
+
+def test_a_revoked_submitter_is_refused_at_the_control_api(tmp_path: Path) -> None:
+    """Real nginx on loopback with TLS (the SuperLink stood in for): after ``edgefl certs --revoke`` a submitter's
+    certificate is refused (nginx's 400, the reason in its log) before the Control API; another submitter's still
+    gets through."""
+    upstream = _UpstreamServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    make_server_certs(tmp_path, ["127.0.0.1"])
+    lost, kept = make_submitter_certs(tmp_path, 2)
+    revoke(tmp_path, lost)
+    port = free_port()
+
+    def control(cert: Path) -> tuple[int, str]:
+        context = ssl.create_default_context(cafile=tmp_path / "ca.pem")
+        context.load_cert_chain(cert, cert.with_suffix(".key"))
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=20)
+        try:
+            conn.request("POST", "/v1/control/list-runs", body=b"")
+            response = conn.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            conn.close()
+
+    try:
+        with ProcessGroup(tmp_path / "logs", dict(os.environ)) as procs:
+            Gateway("127.0.0.1", port, upstream.server_address[1], ServerCerts.in_dir(tmp_path)).start(procs, ())
+            status, body = control(lost)
+            assert status == 400 and "SSL certificate error" in body, body  # nginx's own refusal of a bad one
+            assert control(kept)[0] == 200
+        access = (tmp_path / "logs" / "gateway" / "access.log").read_text()
+        assert "client-cert=FAILED:certificate revoked" in access, access
+    finally:
         upstream.shutdown()

@@ -243,8 +243,9 @@ def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
     (tmp_path / "ca.pem").write_text("")
     spec = ClientSpec("10.0.0.5:9092", 1, 4, tmp_path / "ca.pem", tmp_path / "node-1.key", "digits",
                       device_profile="rpi4", out=tmp_path / "client")  # fmt: skip
-    unit = systemd_unit(spec)
+    unit = systemd_unit(spec, "root")  # an emulated rpi4: its cgroups need root
     lines = unit.splitlines()
+    assert "User=root" in lines and "NoNewPrivileges=yes" in lines and "ProtectSystem=full" in lines
     assert "After=network-online.target" in lines and "Wants=network-online.target" in lines
     assert "Restart=on-failure" in lines and "WantedBy=multi-user.target" in lines
     exec_start = shlex.split(next(line for line in lines if line.startswith("ExecStart="))[len("ExecStart=") :])
@@ -257,15 +258,37 @@ def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
     assert (args.connect_timeout, args.startup_timeout) == (spec.connect_timeout_s, spec.startup_timeout_s)
 
 
-def test_install_systemd_writes_the_unit_and_starts_nothing(tmp_path: Path, edgefl_main) -> None:
+def test_install_systemd_writes_the_unit_and_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edgefl_main
+) -> None:
+    """The unit runs the device as the user who ran sudo (``nobody`` here), never as root unless named."""
     unit = tmp_path / "edgefl-client-0.service"
-    done = edgefl_main("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0",
-                       "--num-partitions", "2", "--dataset", "digits", "--out", str(tmp_path / "c"),
-                       "--install-systemd", str(unit))  # fmt: skip
+    client = ("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0", "--num-partitions", "2",
+              "--dataset", "digits", "--out", str(tmp_path / "c"), "--install-systemd", str(unit))  # fmt: skip
+    monkeypatch.setenv("SUDO_USER", "nobody")
+    done = edgefl_main(*client)
     assert done.returncode == 0, done.stderr
     assert "systemctl enable --now edgefl-client-0.service" in done.stdout
-    assert "ExecStart=" in unit.read_text() and "--insecure" in unit.read_text()
+    text = unit.read_text()
+    assert "ExecStart=" in text and "--insecure" in text and "\nUser=nobody\n" in text
     assert not (tmp_path / "c").exists()
+
+
+def test_install_systemd_refuses_root_unless_named_and_a_profile_without_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edgefl_main
+) -> None:
+    unit = tmp_path / "edgefl-client-0.service"
+    client = ("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0", "--num-partitions", "2",
+              "--dataset", "digits", "--out", str(tmp_path / "c"), "--install-systemd", str(unit))  # fmt: skip
+    monkeypatch.delenv("SUDO_USER", raising=False)  # the suite's folder belongs to root: the default is root
+    _one_line_error(edgefl_main(*client), "would run the device as root")
+    _one_line_error(edgefl_main(*client, "--run-as", "no-such-user-here"), "no such user")
+    _one_line_error(edgefl_main(*client, "--run-as", "nobody", "--device-profile", "rpi4"), "needs root")
+    (tmp_path / "c").mkdir()  # a folder the device's user could not write
+    _one_line_error(edgefl_main(*client, "--run-as", "nobody"), "chown nobody")
+    assert not unit.exists()
+    assert edgefl_main(*client, "--run-as", "root", "--device-profile", "rpi4").returncode == 0
+    assert "\nUser=root\n" in unit.read_text()
 
 
 def test_the_server_writes_its_ready_file_as_it_prints_how_to_join(
