@@ -4,10 +4,11 @@ with the benchmark, and take effect in this process only: the agent users run ha
 
     python bench/hostile_agent.py --plan PLAN.json  <the arguments of python -m fl_client.node>
 
-The agent trains every round honestly. In an attacked round (``Plan``) its reply is swapped for the round's first
-attack; when the server refuses it without counting it as the device's answer to the round (a malformed reply,
-a round the device may not send), it asks the device again, and the next attack answers, then the honest update.
-An attack the server counts as the round's answer (an update it cannot use: ``FINAL``) comes last. A forged
+The agent trains every round honestly. In an attacked round (``Plan``) its reply is swapped for the round's one
+attack that fails a reply (a malformed reply, a round the device may not send: ``REPLY``; or an update the server
+cannot use, which it counts as the round's answer: ``FINAL``): a round that has its quorum does not wait for a node
+that failed since the model moved (``strategies.rounds``), so a second attack in the same round might never be
+sent. When the server asks again, the honest update answers. A forged
 message (``FORGED``: a reply to a message the device was not sent) goes out on the Runtime API task that answered
 the round before, kept open until the other device's SuperNode receives its message of the round (the device reads
 the other's logs, as if they had leaked). Every reply sent is a line of the plan's log."""
@@ -40,15 +41,12 @@ from strategies.codecs import CODECS, Layout, parse_codec, server_compressor
 from strategies.codecs.base import DENSE_HEADER, FORMAT_VERSION, layout_info
 from strategies.codecs.dense import dense_payload
 from strategies.codecs.stc import STC_HEADER
-from strategies.rounds import MAX_FAILED_REPLIES
 
 REPLY, FINAL, FORGED = "reply", "final", "forged"  # how an attack is delivered (see the module's docstring)
-HUGE_REPLY_MB = 15  # the gateway takes requests of up to 16 MB (edgefl.gateway.MAX_BODY); a reply's payload is one
-OVER_GATEWAY_MB = 17  # ... and refuses a larger one (413): the reply never arrives
+HUGE_REPLY_MB = 15  # over what a reply of the bench's run may carry (contract.uploads): refused at the gateway (413)
+OVER_GATEWAY_MB = 17  # over what the gateway takes with no run under way too (16 MB)
 FORGED_MARKER_S = 4321.0  # a forged reply's train-s (plus its index): how the benchmark finds one the server took
 VICTIM_WAIT_S = 60.0  # how long the device waits for the other device's next message
-FAILING_A_ROUND = MAX_FAILED_REPLIES - 1  # attacks a round that fail a reply: after MAX_FAILED_REPLIES of them the
-# server sends the node nothing more until the round closes (strategies.rounds), and its FINAL attack must still go
 TTL_MARGIN_S = 60.0  # a forged reply expires this much before the message it claims to answer (Flower's check)
 # A codec's spec for a valid payload to break, and where its header holds the count checked against the layout.
 CODEC_SPECS = {"none": "none", "topk": "topk:0.01", "stc": "stc:0.01", "dgc": "dgc:0.99", "powersgd": "powersgd:2",
@@ -90,7 +88,6 @@ class Attack:
     name: str
     delivery: str  # REPLY, FINAL or FORGED
     build: Callable[[Target], RecordDict | Message]
-    default: bool = True  # in the benchmark's default list (one that stalls every later round is not)
 
 
 # ----- replies with a header the server must refuse ------------------------------------------------------------
@@ -308,7 +305,7 @@ def _catalogue() -> list[Attack]:
         Attack("powersgd: factors overflow", FINAL, _overflowing_factors),
         Attack("stc: a position per entry, one bad bit (decoder bomb)", FINAL, _stc_bomb),
         Attack(f"{HUGE_REPLY_MB} MB reply (decoder bomb)", FINAL, huge_reply(HUGE_REPLY_MB)),
-        Attack(f"{OVER_GATEWAY_MB} MB reply (over the gateway's body cap)", FINAL, huge_reply(OVER_GATEWAY_MB), False),
+        Attack(f"{OVER_GATEWAY_MB} MB reply (over the gateway's body cap)", FINAL, huge_reply(OVER_GATEWAY_MB)),
     ]
     for codec, (_, _, count) in COUNT_FIELDS.items():
         attacks += [
@@ -329,11 +326,9 @@ def attacked_rounds(rounds: int, honest_every: int) -> list[int]:
 
 
 def rounds_needed(names: list[str], honest_every: int) -> int:
-    """The fewest rounds whose attacked rounds hold every FINAL attack of ``names``, one each (at least one), and the
-    others at most ``FAILING_A_ROUND`` each."""
-    finals = max(1, sum(ATTACKS[name].delivery == FINAL for name in names))
-    others = len(names) - sum(ATTACKS[name].delivery == FINAL for name in names)
-    attacked = max(finals, math.ceil(others / FAILING_A_ROUND))
+    """The fewest rounds whose attacked rounds hold every attack of ``names`` but the forged ones, one each (at least
+    one round)."""
+    attacked = max(1, sum(ATTACKS[name].delivery != FORGED for name in names))
     rounds = 1
     while len(attacked_rounds(rounds, honest_every)) < attacked:
         rounds += 1
@@ -341,22 +336,20 @@ def rounds_needed(names: list[str], honest_every: int) -> int:
 
 
 def schedule(names: list[str], rounds: int, honest_every: int) -> dict[int, list[str]]:
-    """Each attacked round's attacks: one FINAL attack each, in order; the others dealt round-robin. Within a
-    round: forged ones first, then REPLY, then FINAL."""
+    """Each attacked round's attacks: one that fails a reply (REPLY or FINAL) each, in order; the forged ones (which
+    count for nobody) dealt round-robin, first in their round."""
     attacked = attacked_rounds(rounds, honest_every)
-    finals = [n for n in names if ATTACKS[n].delivery == FINAL]
-    others = [n for n in names if ATTACKS[n].delivery != FINAL]
-    if len(finals) > len(attacked) or len(others) > FAILING_A_ROUND * len(attacked) or not attacked:
-        needed = rounds_needed(names, honest_every)
-        raise ValueError(f"{len(finals)} attacks need a round each and {len(others)} at most {FAILING_A_ROUND} a "
-                         f"round; {rounds} rounds attack in {len(attacked)}: use --rounds {needed}")  # fmt: skip
+    failing = [n for n in names if ATTACKS[n].delivery != FORGED]
+    forged = [n for n in names if ATTACKS[n].delivery == FORGED]
+    if len(failing) > len(attacked) or not attacked:
+        raise ValueError(f"{len(failing)} attacks need a round each; {rounds} rounds attack in {len(attacked)}: use "
+                         f"--rounds {rounds_needed(names, honest_every)}")  # fmt: skip
     plan: dict[int, list[str]] = {r: [] for r in attacked}
-    for i, name in enumerate(others):
+    for i, name in enumerate(forged):
         plan[attacked[i % len(attacked)]].append(name)
-    for round_, name in zip(attacked, finals, strict=False):
+    for round_, name in zip(attacked, failing, strict=False):
         plan[round_].append(name)
-    order = {FORGED: 0, REPLY: 1, FINAL: 2}
-    return {r: sorted(names_, key=lambda n: order[ATTACKS[n].delivery]) for r, names_ in plan.items() if names_}
+    return {r: names_ for r, names_ in plan.items() if names_}
 
 
 @dataclass(frozen=True)

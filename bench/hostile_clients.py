@@ -11,8 +11,9 @@ the gateway, every other port the server namespace listens on, and Flower's own 
 ``flwr ls`` and ``flwr run``. Criteria: every round completes; every attack is refused, with the server's
 reason; the final accuracy (the mean of the last 3 evaluations) is within 1 point of the clean run's; the
 server's peak RSS (VmHWM, the sum of SuperLink, SuperExec and ServerApp) is within 20 % of the clean run's; the
-stranger is refused everywhere. ``--list`` shows the attacks; one is left out unless named (``--attacks``): a
-reply over the gateway's body cap, which holds every later round to its deadline.
+stranger is refused everywhere. ``--list`` shows the attacks. A reply over what the run allows (15 and 17 MB,
+where a reply of this run carries at most 0.4 MB) is refused at the gateway before the SuperLink stores any of it
+(``contract.uploads``).
 
     python bench/hostile_clients.py [--rounds N] [--honest-every 2] [--attacks NAME,NAME] [--no-clean]
         [--dataset digits] [--local-steps 5] [--out runs/bench-hostile-clients]
@@ -45,6 +46,7 @@ from results import write_result
 
 from contract.run_folder import CONFIG, MESSAGES, ROUNDS, SERVER_LOG, SUMMARY, read_rounds
 from contract.settings import RunConfig, build_config
+from contract.transport import UNDELIVERED
 from edgefl.certs import make_node_keys
 from edgefl.forkserver import ForkedProcess, ForkServer
 from edgefl.launcher import (
@@ -316,11 +318,15 @@ def run_federation(config: RunConfig, plan: Plan | None, progress: Callable[[str
 def attack_outcomes(run: Run) -> list[dict[str, Any]]:
     """A row per attack in the hostile device's log: its round, whether the server (or the SuperLink before it)
     refused it, and the reason. The server's refusals are matched to the attacks in order: each reply of the
-    hostile device (partition ATTACKER) it refuses is a ``rejected`` entry of the round it closes in, and an
-    honest reply is refused nothing; an attack answering a round its partition then counts in was taken."""
+    hostile device (partition ATTACKER) it refuses is a ``rejected`` entry of the round it closes in; an honest reply
+    is refused nothing but, when it answers the server asking again after an attack, "late" if the round closed
+    without it (a round with its quorum does not wait for a node that failed); an attack answering a round its
+    partition then counts in was taken."""
     log = [json.loads(line) for line in _read(run.folder / "attacks.jsonl").splitlines()]
     server_log = _read(run.folder / SERVER_LOG)
     superlink_log = _read(run.folder / "logs" / "superlink.log")
+    gateway_log = _read(run.folder / "logs" / "gateway" / "access.log")
+    too_large = re.search(r'"POST /v1/fleet/push-object [^"]*" 413 ', gateway_log)
     settled = {m["message_id"] for m in run.messages}
     rows = {r["round"]: r for r in run.rows}
     rejections = [(r["round"], x) for r in run.rows for x in r["rejected"] if x["client"] == ATTACKER]
@@ -332,6 +338,8 @@ def attack_outcomes(run: Run) -> list[dict[str, Any]]:
         round_, name = entry["round"], entry["attack"]
         row = {"round": round_, "attack": name, "delivery": entry["delivery"]}
         if name == "honest":
+            if rejections and rejections[0][1]["round"] == round_ and rejections[0][1]["reason"].startswith("late"):
+                rejections.pop(0)  # the honest update of an attacked round, after it closed without the device
             continue
         if "skipped" in entry:
             outcomes.append({**row, "sent": False, "refused": None, "by": "—", "reason": entry["skipped"]})
@@ -356,7 +364,10 @@ def attack_outcomes(run: Run) -> list[dict[str, Any]]:
             closed_in, rejection = rejections.pop(0)
             where = f"{SERVER_LOG}, {ROUNDS}" if rejection["reason"] in server_log else ROUNDS
             note = "" if closed_in == round_ else f" (matched in round {closed_in}'s row: check)"
-            outcomes.append({**row, "sent": True, "refused": True, "by": f"server ({where})",
+            by = f"server ({where})"
+            if too_large and UNDELIVERED in rejection["reason"]:
+                by = f"gateway (413: over the run's bound), then {by}"
+            outcomes.append({**row, "sent": True, "refused": True, "by": by,
                              "reason": rejection["reason"] + note})  # fmt: skip
         else:
             outcomes.append({**row, "sent": True, "refused": False, "by": "—",
@@ -525,26 +536,20 @@ def main() -> int:
     parser.add_argument("--profile", default="lan", help="a link profile with a testbed (not loopback)")
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--partition", default="iid")
-    parser.add_argument("--rounds", type=int, help="default: the fewest that give each FINAL attack a round")
+    parser.add_argument("--rounds", type=int, help="default: the fewest that give each attack but the forged a round")
     parser.add_argument("--honest-every", type=int, default=2, help="round 1 and every K-th after it are honest")
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attacks", help="comma-separated attack names (default: all but those --list marks)")
+    parser.add_argument("--attacks", help="comma-separated attack names (default: all, --list shows them)")
     parser.add_argument("--list", action="store_true", help="list the attacks and exit")
     parser.add_argument("--no-clean", action="store_true", help="the hostile run only (no accuracy or RSS check)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-hostile-clients"))
     parser.add_argument("--report-only", action="store_true", help="no runs: the result from the run folders")
     args = parser.parse_args()
     if args.list:
-        print(
-            "\n".join(
-                f"{a.delivery:6}  {name}{'' if a.default else '  (not by default)'}" for name, a in ATTACKS.items()
-            )
-        )
+        print("\n".join(f"{a.delivery:6}  {name}" for name, a in ATTACKS.items()))
         return 0
-    names = (
-        [n.strip() for n in args.attacks.split(",")] if args.attacks else [n for n, a in ATTACKS.items() if a.default]
-    )
+    names = [n.strip() for n in args.attacks.split(",")] if args.attacks else list(ATTACKS)
     if unknown := [n for n in names if n not in ATTACKS]:
         print(f"unknown attacks {unknown}; --list shows them", file=sys.stderr)
         return 2

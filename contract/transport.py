@@ -87,6 +87,7 @@ CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 
 BULK_PATHS = ("/push-object", "/pull-object")  # the Fleet API requests that carry objects: own pools (BulkApart)
 REPLY_OBJECTS = 3  # Flower objects of an edgefl reply whatever it carries (the message, its RecordDict, one
 # ConfigRecord holding the header and the payload: contract.wire); a reply listing more is not pulled
+UNDELIVERED = "Reply message objects are unavailable."  # Flower's words (HttpGrid) for a reply listed, never uploaded
 KEEPALIVE_S = 60.0  # a pooled connection idle this long is closed. httpx's 5 s closed those a reply's parallel
 # uploads opened before the next reply (LEAF's LSTM over long-distance: 12-15 connections a client in 12 rounds of
 # 7 s), and each new one starts from TCP's initial window: ~4 round trips. Below the gateway's keepalive_timeout.
@@ -598,10 +599,8 @@ def _pull_reply(client: Any, node: Any, run_id: int, proto: Any, tree: Any) -> M
         pull_object = make_pull_object_fn_protobuf(pull_object_protobuf=client.PullObject, node=node, run_id=run_id)
         contents = inflatable_utils.pull_objects(object_ids=object_ids, pull_object_fn=pull_object)
     except ObjectPullError as exc:
-        reason = (
-            "Reply message objects are unavailable. The sender may not have completed the upload before the "
-            f"object-push session expired. {exc}"
-        )  # Flower's words
+        expired = "The sender may not have completed the upload before the object-push session expired."
+        reason = f"{UNDELIVERED} {expired} {exc}"  # Flower's words
         return make_message(metadata=metadata, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=reason))
     client.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=node, run_id=run_id, message_object_id=message_id))
     message = inflate_object_from_contents(message_id, contents)

@@ -24,15 +24,16 @@ from pathlib import Path
 
 from contract.settings import ConfigError, parse_address
 from contract.transport import KEEPALIVE_S
+from contract.uploads import LIMIT_CONF, NO_RUN_LIMIT, PID_FILE, POSTED, limit_conf
 from edgefl.certs import ServerCerts
 from edgefl.processes import LaunchError, ProcessGroup, free_port, tail
 
 STARTUP_TIMEOUT_S = 30.0
 CONTROL_REFUSED = "the Control API takes a submitter certificate signed by this server's CA"
 OTHER_REFUSED = "only the Fleet API (/v1/fleet/) is served to the network"
-# One HTTP request carries one object of a message. Flower cuts arrays into chunks of at most 5 MiB, but edgefl's
-# payload is one bytes value of a ConfigRecord, one object: this caps a reply's updates together (a dense update
-# of the largest model edgefl ships, LEAF's LSTM, is 3.3 MB).
+# One HTTP request carries one object of a message. An object upload (a device's reply: one object holding its
+# updates, contract.wire) is bounded by the runs under way (contract.uploads: each run's ServerApp posts what its
+# model and D allow, and nginx is reloaded), 16 MB while none is; a submitted run's app by MAX_BODY.
 MAX_BODY = "16m"
 SMALL_BODY = "64k"  # every request but an object upload and a submitted run's app: a message's envelope, a pull,
 # a heartbeat are a few kB
@@ -138,7 +139,7 @@ http {{
     server {{
         {listen}{tls}
         location /v1/fleet/ {{ proxy_pass {upstream}; }}
-        location = /v1/fleet/push-object {{ client_max_body_size {MAX_BODY}; proxy_pass {upstream}; }}{control}
+        location = /v1/fleet/push-object {{ include {folder}/{LIMIT_CONF}; proxy_pass {upstream}; }}{control}
         location / {{ return 403 "{OTHER_REFUSED}\\n"; }}
     }}
 }}
@@ -149,21 +150,29 @@ http {{
         returns its folder (``access.log``: every request, with its connection's number and its requests so far,
         its status and client certificate)."""
         nginx = _binary("nginx")
-        folder = (procs.log_dir / "gateway").resolve()  # nginx reads -c and -e relative to its prefix -p
+        folder = gateway_folder(procs.log_dir)
         (folder / "tmp").mkdir(parents=True, exist_ok=True)
-        (folder / "nginx.pid").unlink(missing_ok=True)
+        (folder / PID_FILE).unlink(missing_ok=True)
+        shutil.rmtree(folder / POSTED, ignore_errors=True)  # an earlier server's runs'
+        (folder / LIMIT_CONF).write_text(limit_conf(NO_RUN_LIMIT))
         conf = folder / "nginx.conf"
         conf.write_text(self.config(folder))
         argv = [nginx, "-p", str(folder), "-e", str(folder / "error.log"), "-c", str(conf)]
         procs.start("gateway", [*prefix, *argv])
         # nginx writes its pid file once its listening sockets are open (a failed bind ends the process first).
         try:
-            procs.wait_until("the gateway (nginx)", (folder / "nginx.pid").exists, STARTUP_TIMEOUT_S)
+            procs.wait_until("the gateway (nginx)", (folder / PID_FILE).exists, STARTUP_TIMEOUT_S)
         except LaunchError:
             raise LaunchError(
                 f"nginx could not serve {self.listen_host}:{self.listen_port}: {tail(folder / 'error.log', 1)}"
             ) from None
         return folder
+
+
+def gateway_folder(log_dir: Path) -> Path:
+    """Where the gateway of a process group logging to ``log_dir`` keeps its files (absolute: nginx reads -c and -e
+    relative to its prefix -p); the SuperLink beside it is told (``contract.uploads.ENV``) before either starts."""
+    return (log_dir / "gateway").resolve()
 
 
 @dataclass(frozen=True)

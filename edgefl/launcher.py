@@ -44,10 +44,11 @@ from contract.run_folder import (
     remote_folder_name,
 )
 from contract.settings import ConfigError, RunConfig, parse_address, save_config
+from contract.uploads import ENV as UPLOADS_ENV
 from edge.devices import NO_CAP, AgentThreads, DeviceCaps, DeviceError, HostFollower, cpu_hierarchy
 from edgefl.certs import ServerCerts, make_node_keys, make_server_certs
 from edgefl.forkserver import ForkServer, ServedCommand, write_shim
-from edgefl.gateway import Gateway, Submitter, open_submit_tunnel
+from edgefl.gateway import Gateway, Submitter, gateway_folder, open_submit_tunnel
 from edgefl.processes import (
     ENDED_GRACE_S,
     GRACE_S,
@@ -130,6 +131,7 @@ def flower_env(run_dir: Path) -> dict[str, str]:
     warm ServerApp's shim (``start_superlink``): the SuperLink and SuperNode start ``flower-superexec`` and the
     ``flwr-*`` apps by name, also when the venv is not activated."""
     env = dict(os.environ)
+    env.pop(UPLOADS_ENV, None)  # only a gateway started beside the SuperLink sets it
     env.update(
         PATH=os.pathsep.join([str(run_dir / SHIMS), str(Path(sys.executable).parent), env.get("PATH", "")]),
         FLWR_HOME=str(run_dir / ".flwr"),
@@ -419,6 +421,7 @@ class LocalFederation:
             local_port = free_port()
             self.address = f"127.0.0.1:{local_port}"  # the server's own loopback, where runs are submitted
             argv = superlink_argv("127.0.0.1", local_port, self.certs, node_auth=True)
+            self.procs.env[UPLOADS_ENV] = str(gateway_folder(self.procs.log_dir))  # where its runs bound uploads
             start_superlink(self.procs, argv, self.place.server_prefix, warm=self.app == "edgefl")
             gateway = Gateway(self.place.server_host, port, local_port, self.certs, superlink_tls=True)
             gateway.start(self.procs, self.place.server_prefix)

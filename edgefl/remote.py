@@ -29,6 +29,7 @@ from pathlib import Path
 
 from contract.run_folder import ECHO_KEY
 from contract.settings import ConfigError, RunConfig, parse_address
+from contract.uploads import ENV as UPLOADS_ENV
 from edge.devices import AgentThreads, DeviceCaps, HostFollower, device_profile
 from edgefl.certs import (
     REVOKED,
@@ -42,7 +43,7 @@ from edgefl.certs import (
     make_submitter_certs,
     revoke,
 )
-from edgefl.gateway import Gateway
+from edgefl.gateway import Gateway, gateway_folder
 from edgefl.launcher import (
     CONNECT_TIMEOUT_S,
     FEDERATION,
@@ -175,7 +176,7 @@ def serve(
         raise ConfigError(f"cannot listen on {listen}: the port is in use or the address is not this machine's")
     out = out.resolve()
     logs = out / "logs"
-    env = flower_env(out)
+    env = {**flower_env(out), UPLOADS_ENV: str(gateway_folder(logs))}  # its ServerApps bound object uploads there
     if certs and (key := certs.ca.parent / ECHO_KEY).is_file():  # the ServerApp signs its runs' echoes with it
         out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(key, out / ECHO_KEY)

@@ -63,7 +63,8 @@ from contract.run_folder import (
     truncate_rounds,
 )
 from contract.settings import RunConfig
-from contract.transport import FAST, STOCK, pull_replies
+from contract.transport import FAST, STOCK, UNDELIVERED, pull_replies
+from contract.uploads import posted, reply_bytes_at_most
 from contract.wire import WireError, WireSize, error_reason, parse_reply, reply_key, train_message, wire_size
 from fl_server.membership import Membership, PushRefused, RoundStuck
 from fl_server.robust import make_aggregator
@@ -71,6 +72,8 @@ from ml.data import DataError, Dataset, load_dataset, one_partition
 from ml.model_card import model_card
 from ml.onnx import INPUT_NAME, OUTPUT_NAME, inference_session, scores, with_parameters
 from ml.schedule import scheduled_lr
+from strategies.codecs import dense_payload_size
+from strategies.codecs.base import layout_info
 from strategies.downlink import BroadcastEncoder, model_digest
 from strategies.fedavg import global_momentum
 from strategies.registry import server_half
@@ -114,6 +117,14 @@ def refused_by_client(error: Error) -> bool:
     partition does not fit, its data is missing, training diverged), not Flower's (the node went offline, the
     message or its reply expired, the task stopped sending heartbeats, the app could not be loaded)."""
     return error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+def counts_against(error: Error) -> bool:
+    """Whether an error reply counts as the node's failure: its own refusal (``refused_by_client``), or a reply it
+    listed and never delivered (its objects not uploaded within ``contract.transport.PULL_MAX_S``: an upload the
+    gateway refused as larger than the run allows, or one abandoned); not a message the network or Flower lost."""
+    undelivered = error.code == ErrorCode.MESSAGE_UNAVAILABLE and str(error.reason).startswith(UNDELIVERED)
+    return refused_by_client(error) or undelivered
 
 
 def split_sizes(dataset: Dataset, config: RunConfig) -> dict[int, int] | None:
@@ -750,7 +761,7 @@ class ServerLoop:
             log.warning("refused a reply: %s", parsed)
         if parsed is None:
             reason = error_reason(reply)
-            self.engine.fail(node, raised=refused_by_client(reply.error))
+            self.engine.fail(node, raised=counts_against(reply.error))
             self.traffic.rejected.append(Rejection(partition, -1, f"client error: {reason}"))
             log.warning("node %d replied with an error: %s", node, reason)
             self._stop_if_stuck(node, reason)
@@ -806,5 +817,9 @@ class ServerLoop:
 
 
 def serve(grid: Grid, config: RunConfig, folder: RunFolder, transport: str) -> None:
-    """Run ``config`` to its end; ``transport`` is how this process moves messages (``contract.transport``)."""
-    ServerLoop(grid, config, folder, PulledReplies(grid, transport)).run()
+    """Run ``config`` to its end; ``transport`` is how this process moves messages (``contract.transport``). Behind a
+    gateway, object uploads are bounded by what a reply of this run may carry meanwhile (``contract.uploads``)."""
+    loop = ServerLoop(grid, config, folder, PulledReplies(grid, transport))
+    dense = dense_payload_size(layout_info(loop.engine.layout).size)
+    with posted(reply_bytes_at_most(config.strategy_spec.delay, dense)):
+        loop.run()

@@ -41,7 +41,7 @@ global model where it was). A client whose last ``MAX_FAILED_REPLIES`` replies w
 wholly refused as unusable is taken to fail for good; once one does and the oldest open round can no longer gather
 its quorum without it, the engine is ``stuck``. A client is sent at most ``MAX_FAILED_REPLIES`` messages after
 failures while the global model stays where it is: a node cannot make the server answer each bad reply with a new
-message, and a round that has its quorum does not wait for it.
+message; and a round that has its quorum does not wait for a client that failed since the model last moved.
 
 Clients come and go: a node that vanished is retired (its messages in flight are abandoned, never counted) and
 a new node is a fresh client, sent the newest global model first (as deltas from the start model when
@@ -340,10 +340,13 @@ class RoundEngine:
             c.failed_round, c.failed_in_round = self.aggregated, 0
         c.failed_in_round += 1
 
+    def _failed_since_moved(self, c: _Client) -> bool:
+        return c.failed_round == self.aggregated
+
     def _failed_enough(self, c: _Client) -> bool:
         """``c`` failed ``MAX_FAILED_REPLIES`` times since the global model last moved: it is sent nothing more
         until it moves (a node that answers every message wrongly cannot make the server send it thousands)."""
-        return c.failed_round == self.aggregated and c.failed_in_round >= MAX_FAILED_REPLIES
+        return self._failed_since_moved(c) and c.failed_in_round >= MAX_FAILED_REPLIES
 
     def retire(self, client: int) -> None:
         """``client``'s node is gone: forget it and its messages in flight. Its updates already taken stay."""
@@ -500,15 +503,16 @@ class RoundEngine:
         return None
 
     def _all_in(self, round_: int, open_round: _OpenRound) -> bool:
-        """Every client sampled for ``round_`` has answered it, or (once it has its quorum) is sent nothing more while
-        it is open (``_failed_enough``): the round does not wait for those."""
+        """Every client sampled for ``round_`` has answered it, or (once it has its quorum) has failed since the global
+        model last moved: the round does not wait for those (a node failing on purpose cannot hold every round to its
+        deadline; an honest one that failed is asked again, and its update, if late, is refused as late)."""
         answered = len(open_round.clients) + len(open_round.refused)
         if answered >= self.per_round:
             return True
         if len(open_round.clients) < self.min_clients:
             return False
         given_up = sum(
-            self._failed_enough(c) and self.sampler.trains(source, round_) and source not in open_round.answered
+            self._failed_since_moved(c) and self.sampler.trains(source, round_) and source not in open_round.answered
             for source, c in self._by_source().items()
         )
         return answered + given_up >= self.per_round

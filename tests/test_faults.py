@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr.app import Error
 
+from contract.flower import ErrorCode
 from contract.run_folder import (
     CHECKPOINT,
     ROUNDS,
@@ -31,6 +33,7 @@ from contract.run_folder import (
     truncate_rounds,
 )
 from contract.settings import RunConfig, build_config, save_config
+from contract.transport import UNDELIVERED
 from edgefl.launcher import (
     JOINED,
     NodeRuntime,
@@ -41,6 +44,7 @@ from edgefl.launcher import (
 )
 from edgefl.processes import LaunchError, ProcessGroup, tail, tail_from
 from fl_client.tasks import ABANDONED
+from fl_server.engine import counts_against
 from netem.profiles import LinkProfile
 from netem.testbed import Testbed
 from netem.tunlink import DelayLine, inject
@@ -558,6 +562,28 @@ def test_resume_needs_an_unfinished_run_with_a_checkpoint(tmp_path: Path, edgefl
     assert len(done.stderr.strip().splitlines()) == 1
     done = edgefl_main("run", "--resume", str(tmp_path / "missing"))
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+UNSENT = Error(ErrorCode.MESSAGE_UNAVAILABLE, f"{UNDELIVERED} The sender may not have completed the upload.")
+LOST = Error(ErrorCode.MESSAGE_UNAVAILABLE, "Error: Message Unavailable - it may have expired due to its TTL")
+
+
+def test_a_round_with_its_quorum_waits_for_the_silent_but_not_for_one_that_failed() -> None:
+    """Three of four clients answered round 1: it waits for the fourth while that one has only been slow, and closes
+    at once when it fails (one error, or a reply it listed and never uploaded, e.g. refused at the gateway as larger
+    than the run allows) — a node failing on purpose cannot hold each round to its deadline."""
+    for fails in (lambda e: e.fail(3), lambda e: e.malformed(3), lambda e: e.fail(3, raised=counts_against(UNSENT))):
+        engine = RoundEngine(np.zeros(2, np.float32), LAYOUT, rounds=3, num_clients=4, quorum=0.5, deadline_s=60.0)
+        engine.start_clock(0.0)
+        for client in range(4):
+            engine.next_request(client)
+        for client in range(3):
+            assert engine.receive(client, [_update([1, 1], 1)], partition=client) == []
+        assert engine.close_rounds(now=1.0) == []
+        fails(engine)
+        [closed] = engine.close_rounds(now=2.0)
+        assert (closed.clients, closed.closed_by) == ([0, 1, 2], "all")
+    assert not counts_against(LOST)  # the message expired or its node went away: Flower's doing, not the node's
 
 
 def test_a_node_whose_replies_fail_is_sent_a_bounded_number_of_messages_a_round() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from contract.uploads import LIMIT_CONF, NO_RUN_LIMIT, limit_conf, posted
 from edgefl.certs import ServerCerts, make_node_keys, make_server_certs, make_submitter_certs, revoke
 from edgefl.gateway import CONNECTIONS_PER_ADDRESS, Gateway
 from edgefl.launcher import FEDERATION, flower_env, run_flwr, write_flwr_home
@@ -204,5 +205,27 @@ def test_a_revoked_submitter_is_refused_at_the_control_api(tmp_path: Path) -> No
             assert control(kept)[0] == 200
         access = (tmp_path / "logs" / "gateway" / "access.log").read_text()
         assert "client-cert=FAILED:certificate revoked" in access, access
+    finally:
+        upstream.shutdown()
+
+
+def test_a_run_bounds_object_uploads_while_it_runs(tmp_path: Path) -> None:
+    """Real nginx on loopback: while a run's bound is posted (``contract.uploads.posted``, as its ServerApp does) an
+    object upload over it is refused with 413 before the SuperLink (stood in for) reads it, one within it passes, and
+    other requests keep their own limits; once the run ends the limit is back to ``NO_RUN_LIMIT``."""
+    upstream = _UpstreamServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    try:
+        with ProcessGroup(tmp_path / "logs", dict(os.environ)) as procs:
+            folder = Gateway("127.0.0.1", port, upstream.server_address[1], None).start(procs, ())
+            assert _post(port, "/v1/fleet/push-object", b"x" * 300_000) == 200
+            with posted(200_000, str(folder)):
+                assert (folder / LIMIT_CONF).read_text() == limit_conf(200_000)
+                assert _post(port, "/v1/fleet/push-object", b"x" * 300_000) == 413
+                assert _post(port, "/v1/fleet/push-object", b"x" * 150_000) == 200
+                assert _post(port, "/v1/control/list-runs", b"") == 403
+            assert (folder / LIMIT_CONF).read_text() == limit_conf(NO_RUN_LIMIT)
+            assert _post(port, "/v1/fleet/push-object", b"x" * 300_000) == 200
     finally:
         upstream.shutdown()

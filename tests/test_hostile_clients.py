@@ -1,5 +1,5 @@
 """``bench/hostile_clients.py``, short: a real 4-client federation on the namespaced testbed in which client 3
-(``bench/hostile_agent.py``: edgefl's own agent, its replies swapped for attacks) attacks in rounds 2, 4 and 6
+(``bench/hostile_agent.py``: edgefl's own agent, its replies swapped for attacks) attacks in every even round
 while a stranger in its network namespace tries the server's Control and ServerAppIo APIs. Every round
 completes, each closed by all four clients; every attack is refused, with the server's (or the SuperLink's)
 reason; the stranger is refused everywhere; nothing is left running."""
@@ -42,8 +42,9 @@ ATTACKS = [
     "num-examples=2**31-1",
     "stc: k=2**32-1",
     "none: NaN value",
+    "15 MB reply (decoder bomb)",  # over what the run allows: refused at the gateway (413), counted as a failure
 ]
-ROUNDS = 6
+ROUNDS = 22  # a round each for all but the forged attacks, every other round honest
 TIMEOUT_S = 600
 
 
@@ -76,6 +77,10 @@ def test_a_hostile_device_and_a_stranger_are_refused_and_every_round_completes(t
     assert any(p["probe"] == "flwr supernode register (its own node key)" for p in result["stranger"])
     access = (tmp_path / "hostile" / "logs" / "gateway" / "access.log").read_text()
     assert '"POST /v1/control/register-node HTTP/1.1" 403' in access
+    [huge] = [a for a in attacks if a["attack"].startswith("15 MB")]
+    assert huge["by"].startswith("gateway (413"), huge  # the run's ServerApp bounded the uploads at the gateway
+    peak = result["server_peak_rss_mb"]["hostile"]
+    assert peak["SuperLink"] < 250, peak  # 294 MB when a 15 MB reply reached it
 
     assert not processes_of(tmp_path / "hostile")
     testbed = f"efl-{bench.pid % 100000}-"  # the launcher's testbed tag: its process id
