@@ -56,8 +56,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process: alive
+        pass
     return True
 
 
@@ -72,8 +72,9 @@ def current_limit(folder: Path) -> int:
 
 
 def _apply(folder: Path) -> None:
-    """Write the limit of the runs under way and reload nginx; return once its new workers started (or, after
-    ``RELOAD_TIMEOUT_S``, with a warning: the previous limit holds)."""
+    """Write the limit of the runs under way and reload nginx; return once its new workers started and the old ones
+    exited (or, after ``RELOAD_TIMEOUT_S``, with a warning: connections the old workers still serve keep the
+    previous limit)."""
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two runs starting at once: one writes, reloads and waits at a time
         limit = current_limit(folder)

@@ -267,11 +267,12 @@ def unit_user(spec: ClientSpec, run_as: str | None) -> str:
     root not asked for, or a key or folder the user could not read or write."""
     import pwd
 
-    name = run_as or os.environ.get("SUDO_USER") or pwd.getpwuid(Path.cwd().stat().st_uid).pw_name
+    owner = Path.cwd().stat().st_uid
     try:
+        name = run_as or os.environ.get("SUDO_USER") or pwd.getpwuid(owner).pw_name
         user = pwd.getpwnam(name)
     except KeyError:
-        raise ConfigError(f"--run-as {name}: no such user on this device") from None
+        raise ConfigError(f"--run-as {run_as or owner}: no such user on this device") from None
     capped = device_profile(spec.device_profile).speeds is not None
     if user.pw_uid == 0 and run_as != "root":
         raise ConfigError(
@@ -381,12 +382,12 @@ def join(spec: ClientSpec, progress: Callable[[str], None], ready: ReadyFile | N
         env = flower_env(spec.folder)
         agent = stack.enter_context(ProcessGroup(logs, env))
         runtime = NodeRuntime.create(spec.folder, "node")
-        data_dir = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []
-        data_dir += ["--own-dataset", spec.dataset]  # the server's word does not reach this device's files
+        agent_args = ["--data-dir", str(Path(spec.data_dir).resolve())] if spec.data_dir else []
+        agent_args += ["--own-dataset", spec.dataset]  # the server's word does not reach this device's files
 
         def start_agent() -> None:
             runtime.ready_file.unlink(missing_ok=True)
-            agent.start("agent", runtime.agent_argv(*data_dir))
+            agent.start("agent", runtime.agent_argv(*agent_args))
             agent.wait_until("the edge agent", runtime.ready_file.exists, spec.startup_timeout_s)
             AgentThreads.load(runtime.ready_file).place(cap)
 
@@ -521,10 +522,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--install-systemd", nargs="?", const="", default=None, metavar="UNIT_FILE",
                    help="write a systemd unit running this command instead of running it "
                    "(default /etc/systemd/system/edgefl-client-I.service)")  # fmt: skip
-    p.add_argument(
-        "--run-as",
-        metavar="USER",
-        help="the user the unit runs the device as (default: the user who ran "
-        "sudo, else the working directory's owner; root only by name, for an emulated --device-profile)",
-    )
+    p.add_argument("--run-as", metavar="USER", help="the user the unit runs the device as (default: who ran sudo, "
+                   "else the working directory's owner; root only by name, for --device-profile)")  # fmt: skip
     p.set_defaults(func=cmd_client)

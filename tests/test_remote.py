@@ -258,13 +258,18 @@ def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
     assert (args.connect_timeout, args.startup_timeout) == (spec.connect_timeout_s, spec.startup_timeout_s)
 
 
+def _installing(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
+    """A unit file's path and the ``edgefl client --install-systemd`` command that writes it."""
+    unit = tmp_path / "edgefl-client-0.service"
+    return unit, ("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0", "--num-partitions", "2",
+                  "--dataset", "digits", "--out", str(tmp_path / "c"), "--install-systemd", str(unit))  # fmt: skip
+
+
 def test_install_systemd_writes_the_unit_and_starts_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edgefl_main
 ) -> None:
     """The unit runs the device as the user who ran sudo (``nobody`` here), never as root unless named."""
-    unit = tmp_path / "edgefl-client-0.service"
-    client = ("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0", "--num-partitions", "2",
-              "--dataset", "digits", "--out", str(tmp_path / "c"), "--install-systemd", str(unit))  # fmt: skip
+    unit, client = _installing(tmp_path)
     monkeypatch.setenv("SUDO_USER", "nobody")
     done = edgefl_main(*client)
     assert done.returncode == 0, done.stderr
@@ -277,9 +282,7 @@ def test_install_systemd_writes_the_unit_and_starts_nothing(
 def test_install_systemd_refuses_root_unless_named_and_a_profile_without_root(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edgefl_main
 ) -> None:
-    unit = tmp_path / "edgefl-client-0.service"
-    client = ("client", "--server", "127.0.0.1:9", "--insecure", "--partition-id", "0", "--num-partitions", "2",
-              "--dataset", "digits", "--out", str(tmp_path / "c"), "--install-systemd", str(unit))  # fmt: skip
+    unit, client = _installing(tmp_path)
     monkeypatch.delenv("SUDO_USER", raising=False)  # the suite's folder belongs to root: the default is root
     _one_line_error(edgefl_main(*client), "would run the device as root")
     _one_line_error(edgefl_main(*client, "--run-as", "no-such-user-here"), "no such user")
