@@ -126,11 +126,16 @@ def prepare_run_dir(config: RunConfig, resume: bool = False) -> Path:
     return run_dir
 
 
+FLOWER_INTERNAL = "FLWR_INTERNAL_"  # flwr.common.constant's FLWR_INTERNAL_GRPC_CONTROL_API, ..._FLEET_API
+
+
 def flower_env(run_dir: Path) -> dict[str, str]:
-    """The environment of every Flower process. This Python's scripts come first on PATH, after the folder of the
-    warm ServerApp's shim (``start_superlink``): the SuperLink and SuperNode start ``flower-superexec`` and the
-    ``flwr-*`` apps by name, also when the venv is not activated."""
-    env = dict(os.environ)
+    """The environment of every Flower process, without Flower's ``FLWR_INTERNAL_*`` switches. This Python's scripts
+    come first on PATH, after the folder of the warm ServerApp's shim (``start_superlink``): the SuperLink and
+    SuperNode start ``flower-superexec`` and the ``flwr-*`` apps by name, also when the venv is not activated."""
+    env = {  # Flower's FLWR_INTERNAL_* switches open its legacy gRPC APIs unauthenticated on every address
+        name: value for name, value in os.environ.items() if not name.startswith(FLOWER_INTERNAL)
+    }
     env.pop(UPLOADS_ENV, None)  # only a gateway started beside the SuperLink sets it
     env.update(
         PATH=os.pathsep.join([str(run_dir / SHIMS), str(Path(sys.executable).parent), env.get("PATH", "")]),

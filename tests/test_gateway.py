@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from contract.uploads import ENV as UPLOADS_ENV
 from contract.uploads import LIMIT_CONF, NO_RUN_LIMIT, limit_conf, posted
 from edgefl.certs import ServerCerts, make_node_keys, make_server_certs, make_submitter_certs, revoke
 from edgefl.gateway import CONNECTIONS_PER_ADDRESS, Gateway
-from edgefl.launcher import FEDERATION, flower_env, run_flwr, write_flwr_home
+from edgefl.launcher import FEDERATION, FLOWER_INTERNAL, flower_env, run_flwr, write_flwr_home
 from edgefl.processes import LaunchError, ProcessGroup, free_port
 from netem.profiles import BUILTIN_LINKS
 from netem.testbed import SERVER_IP, Testbed
@@ -176,14 +177,13 @@ def test_one_address_cannot_take_the_door_and_bodies_are_small_but_uploads(tmp_p
 
 
 def test_a_revoked_submitter_is_refused_at_the_control_api(tmp_path: Path) -> None:
-    """Real nginx on loopback with TLS (the SuperLink stood in for): after ``edgefl certs --revoke`` a submitter's
-    certificate is refused (nginx's 400, the reason in its log) before the Control API; another submitter's still
-    gets through."""
+    """Real nginx on loopback with TLS (the SuperLink stood in for): once ``edgefl certs --revoke`` revoked a
+    submitter's certificate and the gateway reloaded (at a run's start, or the server's), that certificate is refused
+    (nginx's 400, the reason in its log) before the Control API; another submitter's still gets through."""
     upstream = _UpstreamServer(("127.0.0.1", 0), _Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     make_server_certs(tmp_path, ["127.0.0.1"])
     lost, kept = make_submitter_certs(tmp_path, 2)
-    revoke(tmp_path, lost)
     port = free_port()
 
     def control(cert: Path) -> tuple[int, str]:
@@ -199,10 +199,14 @@ def test_a_revoked_submitter_is_refused_at_the_control_api(tmp_path: Path) -> No
 
     try:
         with ProcessGroup(tmp_path / "logs", dict(os.environ)) as procs:
-            Gateway("127.0.0.1", port, upstream.server_address[1], ServerCerts.in_dir(tmp_path)).start(procs, ())
-            status, body = control(lost)
-            assert status == 400 and "SSL certificate error" in body, body  # nginx's own refusal of a bad one
-            assert control(kept)[0] == 200
+            gateway = Gateway("127.0.0.1", port, upstream.server_address[1], ServerCerts.in_dir(tmp_path))
+            folder = gateway.start(procs, ())
+            assert control(lost)[0] == 200
+            revoke(tmp_path, lost)
+            with posted(1_000_000, str(folder)):  # a run starts: the gateway reloads, and reads the list again
+                status, body = control(lost)
+                assert status == 400 and "SSL certificate error" in body, body  # nginx's own refusal of a bad one
+                assert control(kept)[0] == 200
         access = (tmp_path / "logs" / "gateway" / "access.log").read_text()
         assert "client-cert=FAILED:certificate revoked" in access, access
     finally:
@@ -229,3 +233,20 @@ def test_a_run_bounds_object_uploads_while_it_runs(tmp_path: Path) -> None:
             assert _post(port, "/v1/fleet/push-object", b"x" * 300_000) == 200
     finally:
         upstream.shutdown()
+
+
+def test_flower_processes_get_none_of_flowers_internal_switches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``FLWR_INTERNAL_GRPC_*=1`` in the server's environment would make the SuperLink open its legacy gRPC Control
+    and Fleet APIs, unauthenticated, on every address: ``flower_env`` drops every ``FLWR_INTERNAL_*`` (and a gateway
+    folder it did not set). Fails if Flower renames its switches out of that prefix."""
+    from flwr.common import constant
+
+    switches = [getattr(constant, name) for name in dir(constant) if "INTERNAL" in name and name.startswith("FLWR")]
+    assert switches and all(switch.startswith(FLOWER_INTERNAL) for switch in switches)
+    for switch in switches:
+        monkeypatch.setenv(switch, "1")
+    monkeypatch.setenv(UPLOADS_ENV, str(tmp_path / "another-gateway"))
+    env = flower_env(tmp_path)
+    assert not [name for name in env if name.startswith(FLOWER_INTERNAL)] and UPLOADS_ENV not in env

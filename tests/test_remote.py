@@ -258,6 +258,19 @@ def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
     assert (args.connect_timeout, args.startup_timeout) == (spec.connect_timeout_s, spec.startup_timeout_s)
 
 
+def test_certs_revoke_changes_only_the_revocation_list(tmp_path: Path, edgefl_main) -> None:
+    """``edgefl certs --revoke``: the CA and the other files stay as they were; anything but a certificate of that
+    CA, or other requests beside it, is one line."""
+    certs = tmp_path / "certs"
+    assert edgefl_main("certs", "--out", certs, "--submitters", "2").returncode == 0
+    ca = (certs / "ca.pem").read_bytes()
+    done = edgefl_main("certs", "--out", certs, "--revoke", certs / "submitter-1.pem")
+    assert done.returncode == 0 and "revoked" in done.stdout and "next run's start" in done.stdout, done.stderr
+    assert (certs / "ca.pem").read_bytes() == ca
+    _one_line_error(edgefl_main("certs", "--out", certs, "--revoke", certs / "ca.pem", "--submitters", "1"), "alone")
+    _one_line_error(edgefl_main("certs", "--out", certs, "--revoke", certs / "server.key"), "not a certificate of")
+
+
 def _installing(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
     """A unit file's path and the ``edgefl client --install-systemd`` command that writes it."""
     unit = tmp_path / "edgefl-client-0.service"
