@@ -45,6 +45,7 @@ from strategies.codecs.stc import STC_HEADER
 REPLY, FINAL, FORGED = "reply", "final", "forged"  # how an attack is delivered (see the module's docstring)
 HUGE_REPLY_MB = 15  # over what a reply of the bench's run may carry (contract.uploads): refused at the gateway (413)
 OVER_GATEWAY_MB = 17  # over what the gateway takes with no run under way too (16 MB)
+EXTRA_RECORDS = 50  # objects of a reply over edgefl's shape (3), each small enough to pass the gateway: 15 MB in all
 FORGED_MARKER_S = 4321.0  # a forged reply's train-s (plus its index): how the benchmark finds one the server took
 VICTIM_WAIT_S = 60.0  # how long the device waits for the other device's next message
 TTL_MARGIN_S = 60.0  # a forged reply expires this much before the message it claims to answer (Flower's check)
@@ -238,6 +239,20 @@ def huge_reply(megabytes: int) -> Callable[[Target], RecordDict]:
     return build
 
 
+def many_records(count: int, each_bytes: int) -> Callable[[Target], RecordDict]:
+    """The honest reply with ``count`` records more, each one object under the run's upload bound (each different:
+    Flower stores an object by its content's hash, once): the gateway passes every upload, and the SuperLink stores
+    them before the ServerApp sees the reply's shape."""
+
+    def build(t: Target) -> RecordDict:
+        content = reply_content(t.honest)
+        for i in range(count):
+            content.config_records[f"extra-{i}"] = ConfigRecord({PAYLOAD: i.to_bytes(4) + bytes(each_bytes - 4)})
+        return content
+
+    return build
+
+
 # ----- forged messages: replies to a message this device was not sent --------------------------------------------
 def forged(reply_to: Callable[[Target], str], as_victim: bool) -> Callable[[Target], Message]:
     """A reply carrying the device's previous update (as this round's, with a marked training time) that claims to
@@ -305,6 +320,11 @@ def _catalogue() -> list[Attack]:
         Attack("powersgd: factors overflow", FINAL, _overflowing_factors),
         Attack("stc: a position per entry, one bad bit (decoder bomb)", FINAL, _stc_bomb),
         Attack(f"{HUGE_REPLY_MB} MB reply (decoder bomb)", FINAL, huge_reply(HUGE_REPLY_MB)),
+        Attack(
+            f"{EXTRA_RECORDS} extra records of 0.3 MB (each under the upload bound)",
+            REPLY,
+            many_records(EXTRA_RECORDS, 300_000),
+        ),
         Attack(f"{OVER_GATEWAY_MB} MB reply (over the gateway's body cap)", FINAL, huge_reply(OVER_GATEWAY_MB)),
     ]
     for codec, (_, _, count) in COUNT_FIELDS.items():

@@ -11,17 +11,17 @@ the gateway, every other port the server namespace listens on, and Flower's own 
 ``flwr ls`` and ``flwr run``. Criteria: every round completes; every attack is refused, with the server's
 reason; the final accuracy (the mean of the last 3 evaluations) is within 1 point of the clean run's; the
 server's peak RSS (VmHWM, the sum of SuperLink, SuperExec and ServerApp) is within 20 % of the clean run's; the
-stranger is refused everywhere. ``--list`` shows the attacks. A reply over what the run allows (15 and 17 MB,
-where a reply of this run carries at most 0.4 MB) is refused at the gateway before the SuperLink stores any of it
+stranger is refused everywhere. ``--list`` shows the attacks. A reply over what the run allows (15 and 17 MB;
+``upload_bound_bytes`` is this run's bound) is refused at the gateway before the SuperLink stores any of it
 (``contract.uploads``).
 
     python bench/hostile_clients.py [--rounds N] [--honest-every 2] [--attacks NAME,NAME] [--no-clean]
         [--dataset digits] [--local-steps 5] [--out runs/bench-hostile-clients]
 
 Writes OUT/result.md and OUT/result.json (``attacks_tried``, ``attacks_refused``, ``rounds``,
-``rounds_completed``, ``accuracy_delta_points``, ``stranger_refused``, ``server_peak_rss_mb``, and a row per
-attack and per probe); the two runs' folders are OUT/clean and OUT/hostile (the attacks sent:
-OUT/hostile/attacks.jsonl)."""
+``rounds_completed``, ``accuracy_delta_points``, ``stranger_refused``, ``server_peak_rss_mb``,
+``upload_bound_bytes``, and a row per attack and per probe); the two runs' folders are OUT/clean and OUT/hostile (the
+attacks sent: OUT/hostile/attacks.jsonl)."""
 
 from __future__ import annotations
 
@@ -433,6 +433,8 @@ def report(
         delta = 100 * (hostile.final_accuracy - clean.final_accuracy)
     if clean and clean.peak_rss_mb["sum"]:
         ratio = hostile.peak_rss_mb["sum"] / clean.peak_rss_mb["sum"]
+    posted = re.search(r"the gateway takes object uploads of at most (\d+) bytes", _read(hostile.folder / SERVER_LOG))
+    upload_bound = int(posted.group(1)) if posted else None  # the run's, as its ServerApp posted it (contract.uploads)
     figures = {
         "rounds": config.rounds,
         "rounds_completed": completed,
@@ -448,6 +450,7 @@ def report(
         },
         "server_peak_rss_mb": {"clean": clean.peak_rss_mb if clean else None, "hostile": hostile.peak_rss_mb},
         "server_peak_rss_ratio": ratio,
+        "upload_bound_bytes": upload_bound,
         "stranger_refused": stranger_refused,
         "hostile_run_error": hostile.error or None,
         "stranger_error": stranger_error or None,
@@ -485,7 +488,9 @@ def report(
         + f" | {met(ok['stranger'])} |",
         "",
         f"All at once: {met(all(ok.values()))}. Seconds per round: hostile "
-        f"{_seconds(hostile.seconds_per_round)}, clean {_seconds(clean.seconds_per_round if clean else None)}.",
+        f"{_seconds(hostile.seconds_per_round)}, clean {_seconds(clean.seconds_per_round if clean else None)}. "
+        "The gateway's bound on one reply's upload while the hostile run went: "
+        + (f"{upload_bound} bytes ({SERVER_LOG})." if upload_bound else "none posted."),
         "",
         f"## The attacks (client {ATTACKER}; `{hostile.folder.name}/attacks.jsonl`)",
         "",

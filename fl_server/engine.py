@@ -73,7 +73,6 @@ from ml.model_card import model_card
 from ml.onnx import INPUT_NAME, OUTPUT_NAME, inference_session, scores, with_parameters
 from ml.schedule import scheduled_lr
 from strategies.codecs import dense_payload_size
-from strategies.codecs.base import layout_info
 from strategies.downlink import BroadcastEncoder, model_digest
 from strategies.fedavg import global_momentum
 from strategies.registry import server_half
@@ -820,6 +819,6 @@ def serve(grid: Grid, config: RunConfig, folder: RunFolder, transport: str) -> N
     """Run ``config`` to its end; ``transport`` is how this process moves messages (``contract.transport``). Behind a
     gateway, object uploads are bounded by what a reply of this run may carry meanwhile (``contract.uploads``)."""
     loop = ServerLoop(grid, config, folder, PulledReplies(grid, transport))
-    dense = dense_payload_size(layout_info(loop.engine.layout).size)
+    dense = dense_payload_size(loop.engine.global_params.size)
     with posted(reply_bytes_at_most(config.strategy_spec.delay, dense)):
         loop.run()

@@ -44,11 +44,13 @@ def test_a_device_of_its_own_takes_neither_the_runs_folder_nor_a_hub_data_set_it
     """``edgefl client`` names its data set (``own_dataset``): the server's data folder, a path on the device the
     server chose, is never read (the device's own data is), and a hub data set the server asks for is refused in one
     line before anything is fetched, unless it is the one the device's owner named."""
-    job = RunConfig(dataset="digits", partition="iid", data_dir="/etc", clients=2).client_job()
-    agent = EdgeAgent(own_dataset="digits")
+    if not FASHION_MNIST_DIR.exists():
+        pytest.skip("dataset-fashion-mnist is not installed")
+    job = RunConfig(dataset="fashion-mnist", partition="iid", data_dir="/nonexistent/fashion-mnist", clients=2)
+    agent = EdgeAgent(own_dataset="fashion-mnist")
     try:
-        session = agent.session_for(job.to_json(), 0, 2, run_id=RUN)
-        assert session.num_examples > 0  # /etc was not read: digits loads from the package
+        session = agent.session_for(job.client_job().to_json(), 0, 2, run_id=RUN)
+        assert session.num_examples > 0  # the run's folder was not read: the package's copy was
         hub = RunConfig(dataset="hf:someone/else\x1b[2J", partition="iid", clients=2).client_job()
         with pytest.raises(AgentError, match=r"hub data set 'hf:someone/else.*only when its owner names it") as refused:
             agent.session_for(hub.to_json(), 0, 2, run_id=RUN + 1)

@@ -11,6 +11,7 @@ from contract.messages import TrainReply
 from contract.settings import RunConfig
 from contract.uploads import NO_RUN_LIMIT, POSTED, current_limit, reply_bytes_at_most
 from contract.wire import reply_content
+from edge.health import health_snapshot
 from ml.data import load_dataset
 from ml.models import build_model, param_layout
 from strategies.codecs import dense_payload_size
@@ -26,7 +27,7 @@ def test_the_largest_reply_a_run_allows_fits_and_a_decoder_bomb_does_not() -> No
     size = layout_info(layout).size
     dense = dense_payload_size(size)
     updates = tuple(Update(r, "dense", b"\0" * dense, 10, 0.1, 1.0) for r in range(2 * (4 + 1)))
-    reply = TrainReply(0, updates, {"cpu": 0.5}, "fast", 1.0, 10, "k" * 64)
+    reply = TrainReply(0, updates, health_snapshot(), "fast", 1.0, 10, "k" * 64)  # the device's real health report
     (record,) = reply_content(reply).config_records.values()  # the one object that holds them all
     carried = len(record.deflate())
     assert carried <= reply_bytes_at_most(4, dense) < 2 * carried
