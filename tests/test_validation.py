@@ -11,7 +11,7 @@ from strategies.codecs import CompressorState
 from strategies.codecs.dense import NoCompression
 from strategies.fedavg import WeightedMean
 from strategies.rounds import ClosedRound, RoundEngine, Update
-from strategies.validation import NORM_CHUNK, InfluenceBound, l2_norm
+from strategies.validation import NORM_CHUNK, NORM_FACTOR, InfluenceBound, l2_norm
 
 LAYOUT = (("w", (3,)), ("b", (2,)))
 SIZE = 5
@@ -45,13 +45,13 @@ def _round(engine: RoundEngine, updates: dict[int, np.ndarray], round_: int = 1)
 
 def test_a_first_reply_of_3e38_cannot_overflow_or_capture_the_round() -> None:
     """The run's first reply, before any norm is known, is bounded by the round's other updates: the model stays
-    finite and moves by at most a quarter (its weight) of 10x the others' median norm."""
+    finite and moves by at most a quarter (its weight) of NORM_FACTOR times the others' median norm."""
     engine = _engine()
     honest = {client: np.full(SIZE, 0.1 * client) for client in (1, 2, 3)}
     closed = _round(engine, {0: np.full(SIZE, 3e38), **honest})
     assert closed.clipped == [0] and closed.step_refused is None
     others = sorted(float(np.linalg.norm(u)) for u in honest.values())
-    attacker = 10 * others[1] * np.ones(SIZE) / np.sqrt(SIZE)
+    attacker = NORM_FACTOR * others[1] * np.ones(SIZE) / np.sqrt(SIZE)
     expected = (attacker + sum(honest.values())) / 4
     np.testing.assert_allclose(closed.global_params, expected, rtol=1e-5)
 
@@ -59,7 +59,7 @@ def test_a_first_reply_of_3e38_cannot_overflow_or_capture_the_round() -> None:
 @pytest.mark.parametrize("clients, attackers", [(2, 1), (4, 1), (8, 1), (8, 2)])
 def test_an_adaptive_attacker_at_its_bound_cannot_ratchet_it(clients: int, attackers: int) -> None:
     """Attackers that know their bound and send just under it every round (colluding: each one's norms are the
-    others' history) stay at 10x the honest clients' norms over 30 rounds, with 2, 4 and 8 clients."""
+    others' history) stay at NORM_FACTOR times the honest clients' norms over 30 rounds, with 2, 4 and 8 clients."""
     bound = InfluenceBound()
     honest_norm = 1.0
     sent = []
@@ -72,22 +72,22 @@ def test_an_adaptive_attacker_at_its_bound_cannot_ratchet_it(clients: int, attac
             else:
                 norm = honest_norm
             bound.clip(client, np.full(SIZE, norm / np.sqrt(SIZE), np.float32), bound.bound(client))
-    assert max(sent[attackers:]) <= 10 * honest_norm * (1 + 1e-6), max(sent)
-    assert max(max(bound.norms[client]) for client in range(attackers)) <= 10 * honest_norm * (1 + 1e-6)
+    assert max(sent[attackers:]) <= NORM_FACTOR * honest_norm * (1 + 1e-6), max(sent)
+    assert max(max(bound.norms[client]) for client in range(attackers)) <= NORM_FACTOR * honest_norm * (1 + 1e-6)
 
 
 def test_a_clients_own_norms_never_enter_its_bound() -> None:
     bound = InfluenceBound(history=np.array([[0, 1e6], [0, 1e6], [1, 1.0], [2, 2.0]]))
-    assert bound.bound(0) == pytest.approx(10 * 1.5)  # the median of clients 1 and 2's
-    assert bound.bound(1) == pytest.approx(10 * (1e6 + 2.0) / 2)  # the others set it, client 0 among them
+    assert bound.bound(0) == pytest.approx(NORM_FACTOR * 1.5)  # the median of clients 1 and 2's
+    assert bound.bound(1) == pytest.approx(NORM_FACTOR * (1e6 + 2.0) / 2)  # the others set it, client 0 among them
 
 
 def test_a_clipped_update_keeps_its_direction_and_its_recorded_norm_is_the_bound() -> None:
     bound = InfluenceBound(history=np.array([[1, 1.0]]))
     clipped = bound.clip(0, np.array([3e30, 4e30, 0, 0, 0], np.float32), bound.bound(0))
-    assert clipped.clipped and "clipped: L2 norm 5e+30 to 10" in clipped.reason
-    np.testing.assert_allclose(clipped.update, [6.0, 8.0, 0, 0, 0], rtol=1e-6)
-    assert list(bound.norms[0]) == [10.0]
+    assert clipped.clipped and f"clipped: L2 norm 5e+30 to {NORM_FACTOR:g}" in clipped.reason
+    np.testing.assert_allclose(clipped.update, np.array([0.6, 0.8, 0, 0, 0]) * NORM_FACTOR, rtol=1e-6)
+    assert list(bound.norms[0]) == [NORM_FACTOR]
 
 
 def test_dgas_alternating_honest_norms_are_not_clipped_and_a_hundredfold_update_is() -> None:
@@ -137,7 +137,7 @@ def test_the_history_survives_a_checkpoint_and_reads_older_ones() -> None:
     again = InfluenceBound(history=bound.history_rows())
     assert {client: list(norms) for client, norms in again.norms.items()} == {0: [1.0, 3.0], 1: [2.0]}
     older = InfluenceBound(history=np.array([0.5, 0.25]))  # a checkpoint's plain norms, before clients were kept
-    assert older.bound(0) == pytest.approx(5.0)
+    assert older.bound(0) == pytest.approx(NORM_FACTOR * 0.5)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

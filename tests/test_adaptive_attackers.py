@@ -1,0 +1,49 @@
+"""``bench/adaptive_attackers.py``, short: two attackers of eight, adaptive from round 1 on, against the server's
+own round engine. Whatever they send, no accepted update of theirs is longer than the bound allows over the honest
+clients' norms, the global model stays finite, a run that honest clients can no longer train says so, and the
+result names each run's figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from strategies.validation import NORM_FACTOR
+from tests.conftest import REPO
+
+ROUNDS = 4
+
+
+def _bench(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "bench/adaptive_attackers.py", "--seeds", "2", "--rounds", str(ROUNDS), "--out", str(out),
+            *args]  # fmt: skip
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_two_adaptive_attackers_stay_within_the_bound_and_the_model_stays_finite(tmp_path: Path) -> None:
+    done = _bench(tmp_path, "--rules", "mean,median", "--attacks", "colluding-flip,huge-first,ratchet")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["clients"], result["attackers"], result["seeds"], result["rounds"]) == (8, [6, 7], [0, 1], ROUNDS)
+    rows = {(row["rule"], row["attack"]): row for row in result["rows"]}
+    assert set(rows) == {(rule, attack) for rule in ("mean", "median")
+                         for attack in ("colluding-flip", "huge-first", "ratchet")}  # fmt: skip
+    for row in rows.values():
+        assert row["influence_bound_held"] and row["model_finite_every_round"], row
+        assert row["worst_norm_over_honest"] <= NORM_FACTOR * (1 + 1e-6), row
+        mean, low, high = row["accuracy_delta_points"]
+        assert low <= mean <= high
+    # 3e38 in every value, answered first in round 1 before any norm is known: held and clipped like the rest
+    assert rows[("mean", "huge-first")]["worst_norm_over_honest"] > 1, rows[("mean", "huge-first")]
+    assert result["influence_bound_held"] and result["model_finite_every_round"]
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+    assert "| mean | " in (tmp_path / "result.md").read_text()
+
+
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    for args, said in [(("--attacks", "flip,nonsense"), "unknown attacks"), (("--rules", "mean,krum:x"), "bad --rules"),
+                       (("--norm-factors", "1"), "every norm factor above 1")]:  # fmt: skip
+        done = _bench(tmp_path, *args)
+        assert done.returncode == 2 and said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
