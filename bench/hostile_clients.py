@@ -1,27 +1,28 @@
 """A hostile device in a real federation, and a stranger at the server's door.
 
 A real 4-client deployment on the namespaced testbed (``--profile lan``: the SuperLink on the server namespace's
-loopback behind the gateway, each device in a namespace of its own), run twice with the same seed: clean, and
-with client 3 hostile (``bench/hostile_agent.py``: edgefl's own agent whose replies carry attacks). The hostile
-device is honest in round 1 and in every ``--honest-every``-th round after it and attacks in the others, one
-attack per reply: overflowing and non-finite fields, inflated weights, replayed and future rounds, malformed and
-oversized payloads of every codec's wire type, decoder bombs, non-finite values, replies for messages it was
-not sent. Meanwhile a stranger in its network namespace tries the server's Control and ServerAppIo APIs through
-the gateway, every other port the server namespace listens on, and Flower's own ``flwr supernode register``,
-``flwr ls`` and ``flwr run``. Criteria: every round completes; every attack is refused, with the server's
-reason; the final accuracy (the mean of the last 3 evaluations) is within 1 point of the clean run's; the
-server's peak RSS (VmHWM, the sum of SuperLink, SuperExec and ServerApp) is within 20 % of the clean run's; the
-stranger is refused everywhere. ``--list`` shows the attacks. A reply over what the run allows (15 and 17 MB;
-``upload_bound_bytes`` is this run's bound) is refused at the gateway before the SuperLink stores any of it
+loopback behind the gateway, each device in a namespace of its own), run twice with the same seed: clean, and with
+client 3 hostile (``bench/hostile_agent.py``: edgefl's own agent whose replies carry attacks). The hostile device is
+honest in round 1 and in every ``--honest-every``-th round after it and attacks in the others, one attack per reply:
+overflowing and non-finite fields, inflated weights, replayed and future rounds, malformed and oversized payloads of
+every codec's wire type, decoder bombs, non-finite values, replies for messages it was not sent. Meanwhile a stranger in
+its network namespace tries the server's Control and ServerAppIo APIs through the gateway, every other port the server
+namespace listens on, and Flower's own ``flwr supernode register``, ``flwr ls`` and ``flwr run``, then holds
+SLOW_CONNECTIONS slow connections on the gateway for SLOW_HOLD_S. Criteria: every round completes; every attack is
+refused, with the server's reason; the final accuracy (the mean of the last 3 evaluations) is within 1 point of the
+clean run's; the server's peak RSS (VmHWM, the sum of SuperLink, SuperExec and ServerApp) is within 20 % of the clean
+run's; the stranger is refused everywhere; the honest devices' messages (median round trip) are at most 1.5x slower
+while the slow connections are held than before. ``--list`` shows the attacks. A reply over what the run allows (15 and
+17 MB; ``upload_bound_bytes`` is this run's bound) is refused at the gateway before the SuperLink stores any of it
 (``contract.uploads``).
 
     python bench/hostile_clients.py [--rounds N] [--honest-every 2] [--attacks NAME,NAME] [--no-clean]
         [--dataset digits] [--local-steps 5] [--out runs/bench-hostile-clients]
 
-Writes OUT/result.md and OUT/result.json (``attacks_tried``, ``attacks_refused``, ``rounds``,
-``rounds_completed``, ``accuracy_delta_points``, ``stranger_refused``, ``server_peak_rss_mb``,
-``upload_bound_bytes``, and a row per attack and per probe); the two runs' folders are OUT/clean and OUT/hostile (the
-attacks sent: OUT/hostile/attacks.jsonl)."""
+Writes OUT/result.md and OUT/result.json (``attacks_tried``, ``attacks_refused``, ``rounds``, ``rounds_completed``,
+``accuracy_delta_points``, ``stranger_refused``, ``server_peak_rss_mb``, ``upload_bound_bytes``,
+``slow_connections_round_ratio``, and a row per attack and per probe); the two runs' folders are OUT/clean and
+OUT/hostile (the attacks sent: OUT/hostile/attacks.jsonl)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import itertools
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -88,6 +90,49 @@ for port, path in probes:
     except (OSError, ssl.SSLError) as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
 """
+# Slow connections, from the stranger's namespace: COUNT connections to the gateway held for HOLD_S seconds, half of
+# them bare TCP (no TLS handshake), half a TLS handshake and a request's first header line, never finished; one nginx
+# closes is opened again. Prints one JSON line: the monotonic clock's start and end of the hold (the host's one
+# clock: messages.jsonl's sent_at is on it too), how many were open at the end, opened and closed by the gateway.
+SLOW = """
+import json, socket, ssl, sys, time
+host, port, ca, count, hold_s = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+context = ssl.create_default_context(cafile=ca)
+def connect(i):
+    sock = socket.create_connection((host, port), timeout=10)
+    if i % 2:
+        sock = context.wrap_socket(sock, server_hostname=host)
+        sock.sendall(b"POST /v1/fleet/push-object HTTP/1.1\\r\\n")
+    sock.setblocking(False)
+    return sock
+held, opened, closed, failed = {}, 0, 0, 0
+start = time.monotonic()
+while time.monotonic() - start < hold_s:
+    for i in range(count):
+        sock = held.get(i)
+        if sock is not None:
+            try:
+                if sock.recv(1) == b"":
+                    raise ConnectionError
+                continue
+            except (BlockingIOError, ssl.SSLWantReadError):
+                continue
+            except OSError:
+                sock.close()
+                closed += 1
+        try:
+            held[i] = connect(i)
+            opened += 1
+        except OSError:
+            held.pop(i, None)
+            failed += 1
+    time.sleep(0.5)
+end = time.monotonic()
+print(json.dumps({"start": start, "end": end, "open": len(held), "opened": opened, "closed_by_gateway": closed,
+                  "failed": failed}))
+"""
+SLOW_CONNECTIONS, SLOW_HOLD_S = 1000, 40.0
+SLOW_RATIO_BAR = 1.5  # honest devices' messages at most this much slower while the slow connections are held
 HTTP_PROBES = {
     "Control API: list runs (flwr ls)": "/v1/control/list-runs",
     "Control API: start a run (flwr run)": "/v1/control/start-run",
@@ -166,15 +211,17 @@ class PeakRss(threading.Thread):
 
 
 class Stranger(threading.Thread):
-    """Someone in the hostile device's network namespace who is no submitter: once the run has closed its first
-    round, tries every API but the Fleet API through the gateway, every other port the server namespace listens
-    on, and Flower's CLI. ``probes``: what each try got, and whether it was refused."""
+    """Someone in the hostile device's network namespace who is no submitter: once the run has closed its first round,
+    tries every API but the Fleet API through the gateway, every other port the server namespace listens on, and
+    Flower's CLI, then holds slow connections on the gateway (``SLOW``). ``probes``: what each try got, and whether it
+    was refused."""
 
     def __init__(self, fed: LocalFederation, gateway: str, run_dir: Path) -> None:
         super().__init__(daemon=True, name="stranger")
         self.fed, self.gateway, self.run_dir = fed, gateway, run_dir
         self.prefix = fed.place.client_prefixes[ATTACKER]
         self.probes: list[dict[str, Any]] = []
+        self.slow: dict[str, float] = {}  # SLOW's line: when the slow connections were held
         self.error = ""
         self.halt = threading.Event()  # the run is over
 
@@ -211,6 +258,22 @@ class Stranger(threading.Thread):
             except LaunchError as exc:
                 self.probes.append({"probe": name, "answer": str(exc)[:200], "refused": True})
         self._join_as_a_device(ca, key.with_suffix(".key"), home)
+        self._slow_connections(host, int(port), ca)
+
+    def _slow_connections(self, host: str, port: int, ca: Path) -> None:
+        """SLOW_CONNECTIONS held open on the gateway for SLOW_HOLD_S (stopped early when the run ends)."""
+        argv = [*self.prefix, sys.executable, "-c", SLOW, host, str(port), str(ca), str(SLOW_CONNECTIONS),
+                str(SLOW_HOLD_S)]  # fmt: skip
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            while proc.poll() is None:
+                if self.halt.wait(0.5):
+                    proc.kill()
+            out, err = proc.communicate()
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if proc.returncode == 0 and lines:
+            self.slow = json.loads(lines[-1])
+        elif not self.halt.is_set():
+            raise RuntimeError(f"the slow connections failed: {err.strip()[-300:]}")
 
     def _join_as_a_device(self, ca: Path, key: Path, home: Path) -> None:
         """``edgefl client`` from the stranger's namespace with a key of its own, claiming partition 0: the
@@ -263,6 +326,19 @@ class Run:
     error: str = ""
     probes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     stranger_error: str = ""
+    slow: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def slow_connections_ratio(self) -> tuple[float | None, int]:
+        """The median round trip of the honest devices' messages sent while the slow connections were held over that
+        of their messages sent before, and how many were sent while they were held (None: none, or none before)."""
+        if not self.slow:
+            return None, 0
+        honest = [m for m in self.messages if m.get("partition") != ATTACKER and m.get("round_trip_s") is not None]
+        during = [m["round_trip_s"] for m in honest if self.slow["start"] <= m["sent_at"] <= self.slow["end"]]
+        before = [m["round_trip_s"] for m in honest if m["sent_at"] < self.slow["start"]]
+        if not during or not before:
+            return None, len(during)
+        return statistics.median(during) / statistics.median(before), len(during)
 
     @classmethod
     def load(cls, folder: Path) -> Run:
@@ -310,7 +386,8 @@ def run_federation(config: RunConfig, plan: Plan | None, progress: Callable[[str
                 stranger.halt.set()
                 stranger.join()
     measured = {"peak_rss_mb": peak, "error": error, "probes": stranger.probes if stranger else [],
-                "stranger_error": stranger.error if stranger else ""}  # fmt: skip
+                "stranger_error": stranger.error if stranger else "",
+                "slow": stranger.slow if stranger else {}}  # fmt: skip
     (run_dir / MEASURED).write_text(json.dumps(measured, indent=1))
 
 
@@ -433,6 +510,7 @@ def report(
         delta = 100 * (hostile.final_accuracy - clean.final_accuracy)
     if clean and clean.peak_rss_mb["sum"]:
         ratio = hostile.peak_rss_mb["sum"] / clean.peak_rss_mb["sum"]
+    slow_ratio, slow_messages = hostile.slow_connections_ratio()
     posted = re.search(r"the gateway takes object uploads of at most (\d+) bytes", _read(hostile.folder / SERVER_LOG))
     upload_bound = int(posted.group(1)) if posted else None  # the run's, as its ServerApp posted it (contract.uploads)
     figures = {
@@ -452,6 +530,8 @@ def report(
         "server_peak_rss_ratio": ratio,
         "upload_bound_bytes": upload_bound,
         "stranger_refused": stranger_refused,
+        "slow_connections": {**hostile.slow, "count": SLOW_CONNECTIONS, "honest_messages_while_held": slow_messages},
+        "slow_connections_round_ratio": slow_ratio,
         "hostile_run_error": hostile.error or None,
         "stranger_error": stranger_error or None,
         "attacks": outcomes,
@@ -463,6 +543,7 @@ def report(
         "accuracy": delta is not None and abs(delta) <= 1,
         "rss": ratio is not None and ratio <= 1.2,
         "stranger": stranger_refused,
+        "slow": slow_ratio is not None and slow_ratio <= SLOW_RATIO_BAR,
     }
     clean_acc = f"{clean.final_accuracy:.4f}" if clean and clean.final_accuracy is not None else "— (no clean run)"
     hostile_acc = f"{hostile.final_accuracy:.4f}" if hostile.final_accuracy is not None else "—"
@@ -486,6 +567,14 @@ def report(
         f"| the stranger refused | {sum(p['refused'] for p in probes)} of {len(probes)} tries"
         + (f"; its probing failed: {_cell(stranger_error)}" if stranger_error else "")
         + f" | {met(ok['stranger'])} |",
+        f"| honest devices' messages at most {SLOW_RATIO_BAR:g}x slower while the stranger holds {SLOW_CONNECTIONS} "
+        "slow connections on the gateway (median round trip, during / before) | "
+        + (
+            f"{slow_ratio:.2f}x over {slow_messages} messages in {_slow_span(hostile.slow)}"
+            if slow_ratio is not None
+            else f"not measured ({_slow_span(hostile.slow) or 'the run ended before the stranger held them'})"
+        )
+        + f" | {met(ok['slow'])} |",
         "",
         f"All at once: {met(all(ok.values()))}. Seconds per round: hostile "
         f"{_seconds(hostile.seconds_per_round)}, clean {_seconds(clean.seconds_per_round if clean else None)}. "
@@ -518,6 +607,14 @@ def report(
         ),
     ]
     return "\n".join(lines), figures
+
+
+def _slow_span(slow: dict[str, float]) -> str:
+    """How long the slow connections were held, and what the gateway did with them."""
+    if not slow:
+        return ""
+    return (f"{slow['end'] - slow['start']:.0f} s ({slow['opened']} opened, {slow['closed_by_gateway']} closed by the "
+            f"gateway, {slow['failed']} refused, {slow['open']} open at the end)")  # fmt: skip
 
 
 def _ranges(rounds: list[int]) -> str:
