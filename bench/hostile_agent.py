@@ -437,6 +437,8 @@ class Attacker:
                     self.last_honest, self.answered = parsed, message.metadata.message_id
                     self._last_of_round(round_, message)
                 return reply
+            if round_ in self.honest:  # asked again with the global model: the round's attacks went already
+                return self._next(round_, message)
             self.pending[round_], self.honest[round_] = attacks, parsed
             self.previous[round_] = self.last_honest
             self.last_honest = parsed
