@@ -24,7 +24,7 @@ Criteria: ``influence_bound_held`` — every accepted update of an attacker has 
 as the mean over seeds with its 95 % interval, per attack and rule.
 
     python bench/adaptive_attackers.py [--seeds 3] [--rounds 30] [--rules mean,trimmed-mean:0.25]
-        [--norm-factors 2] [--attacks NAME,NAME] [--dataset digits] [--partition dirichlet:0.3]
+        [--norm-factors 2] [--attacks NAME,NAME] [--dataset digits] [--partition dirichlet:0.3] [--compress none]
         [--out runs/bench-adaptive-attackers]
 
 Writes OUT/result.md, OUT/result.json (``clients``, ``attackers``, ``seeds``, ``rounds``, ``influence_bound_held``,
@@ -204,7 +204,8 @@ def report(results: list[RunResult], args: argparse.Namespace) -> tuple[str, dic
     attacks = [a for a in args.attacks if a != "clean"]
     lines = [
         f"# Two adaptive attackers among {CLIENTS} clients from round 1: {args.dataset} ({args.partition}), "
-        f"{args.rounds} rounds of {args.local_steps} local steps, seeds {', '.join(map(str, args.seeds))}",
+        f"{args.rounds} rounds of {args.local_steps} local steps, codec {args.compress}, seeds "
+        f"{', '.join(map(str, args.seeds))}",
         "",
         "Final accuracy: the mean of the last 3 rounds; the change against the clean run of the same seed, rule and "
         "norm factor as the mean over seeds with its 95 % interval. Worst: an attacker's accepted L2 norm over the "
@@ -219,6 +220,7 @@ def report(results: list[RunResult], args: argparse.Namespace) -> tuple[str, dic
     ]
     figures: dict = {"clients": CLIENTS, "attackers": list(ATTACKERS), "seeds": args.seeds, "rounds": args.rounds,
                      "dataset": args.dataset, "partition": args.partition, "local_steps": args.local_steps,
+                     "compress": args.compress,
                      "default_norm_factor": NORM_FACTOR, "clean": [], "rows": []}  # fmt: skip
     for rule, factor in itertools.product(args.rules, args.norm_factors):
         clean = [final[(rule, factor, "clean", s)] for s in args.seeds]
@@ -294,6 +296,7 @@ def main() -> int:
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--partition", default="dirichlet:0.3")
+    parser.add_argument("--compress", default="none", help="the devices' codec (the attackers send dense updates)")
     parser.add_argument("--rules", default="mean,trimmed-mean:0.25", help="--aggregate rules, comma-separated")
     parser.add_argument("--norm-factors", default=f"{NORM_FACTOR:g}", help="the bound's factors, comma-separated")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)}")
@@ -316,11 +319,15 @@ def main() -> int:
         print(f"--seeds must be at least 1, --rounds at least {WINDOW}, every norm factor above 1", file=sys.stderr)
         return 2
     args.attacks, args.seeds = ["clean", *attacks], list(range(args.seeds))
-    jobs = [
-        (build_config(None, dataset=args.dataset, partition=args.partition, clients=CLIENTS, rounds=args.rounds,
-                      local_steps=args.local_steps, seed=seed), rule, factor, attack)
-        for rule, factor, attack, seed in itertools.product(args.rules, args.norm_factors, args.attacks, args.seeds)
-    ]  # fmt: skip
+    try:
+        configs = {seed: build_config(None, dataset=args.dataset, partition=args.partition, clients=CLIENTS,
+                                      rounds=args.rounds, local_steps=args.local_steps, compress=args.compress,
+                                      seed=seed) for seed in args.seeds}  # fmt: skip
+    except ValueError as exc:  # ConfigError, SpecError: one line each
+        print(f"bad settings: {exc}", file=sys.stderr)
+        return 2
+    grid = itertools.product(args.rules, args.norm_factors, args.attacks, args.seeds)
+    jobs = [(configs[seed], rule, factor, attack) for rule, factor, attack, seed in grid]
     print(f"{len(jobs)} runs of {args.rounds} rounds ({args.workers} at a time)", flush=True)
     started, results = time.monotonic(), []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:

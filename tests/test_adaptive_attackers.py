@@ -44,6 +44,7 @@ def test_two_adaptive_attackers_stay_within_the_bound_and_the_model_stays_finite
 
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path: Path) -> None:
     for args, said in [(("--attacks", "flip,nonsense"), "unknown attacks"), (("--rules", "mean,krum:x"), "bad --rules"),
-                       (("--norm-factors", "1"), "every norm factor above 1")]:  # fmt: skip
+                       (("--norm-factors", "1"), "every norm factor above 1"),
+                       (("--compress", "bogus"), "unknown codec 'bogus'")]:  # fmt: skip
         done = _bench(tmp_path, *args)
         assert done.returncode == 2 and said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
