@@ -51,7 +51,8 @@ def limit_conf(limit: int) -> str:
     return f"client_max_body_size {limit};\n"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -66,41 +67,59 @@ def current_limit(folder: Path) -> int:
     bounds = []
     for posted in (folder / POSTED).glob("*"):
         with contextlib.suppress(OSError, ValueError):
-            if _alive(int(posted.name)):
+            if alive(int(posted.name)):
                 bounds.append(int(posted.read_text()))
     return max(bounds) if bounds else NO_RUN_LIMIT
 
 
-def _apply(folder: Path) -> None:
-    """Write the limit of the runs under way and reload nginx; return once its new workers started and the old ones
-    exited (or, after ``RELOAD_TIMEOUT_S``, with a warning: connections the old workers still serve keep the
-    previous limit)."""
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """One writer and reload of the gateway in ``folder`` at a time (two runs starting at once, a revocation)."""
     with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs starting at once: one writes, reloads and waits at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _reload(folder: Path) -> str | None:
+    """SIGHUP to the nginx master of ``folder``; return once it started new workers and the old ones exited (after
+    the requests they were serving), or why not (None: reloaded)."""
+    errors = folder / ERROR_LOG
+    offset = errors.stat().st_size if errors.exists() else 0
+    try:
+        os.kill(int((folder / PID_FILE).read_text()), signal.SIGHUP)
+    except (OSError, ValueError) as exc:
+        return f"could not signal it: {exc}"
+    deadline = time.monotonic() + RELOAD_TIMEOUT_S
+    while time.monotonic() < deadline:  # nginx's master logs the workers it starts and the old ones' exit
+        with open(errors, "rb") as text:
+            text.seek(offset)
+            said = text.read()
+        if b"start worker process " in said and b" exited with code " in said:
+            return None
+        time.sleep(RELOAD_POLL_S)
+    return f"it did not reload in {RELOAD_TIMEOUT_S:.0f} s (its old workers' connections keep what they read)"
+
+
+def reload(folder: Path) -> str | None:
+    """Have the gateway of ``folder`` read its files again (e.g. a new revocation list), as ``_reload``."""
+    with _locked(folder):
+        return _reload(folder)
+
+
+def _apply(folder: Path) -> None:
+    """Write the limit of the runs under way and reload nginx (``_reload``); a failed reload is a warning:
+    connections the old workers still serve keep the previous limit."""
+    with _locked(folder):
         limit = current_limit(folder)
         conf = folder / LIMIT_CONF
         if conf.is_file() and conf.read_text() == limit_conf(limit):
             return
         conf.with_suffix(".tmp").write_text(limit_conf(limit))
         conf.with_suffix(".tmp").replace(conf)
-        errors = folder / ERROR_LOG
-        offset = errors.stat().st_size if errors.exists() else 0
-        try:
-            os.kill(int((folder / PID_FILE).read_text()), signal.SIGHUP)
-        except (OSError, ValueError) as exc:
-            log.warning("edgefl: could not reload the gateway for an upload limit of %d bytes: %s", limit, exc)
-            return
-        deadline = time.monotonic() + RELOAD_TIMEOUT_S
-        while time.monotonic() < deadline:  # nginx's master logs the workers it starts and the old ones' exit
-            with open(errors, "rb") as text:
-                text.seek(offset)
-                said = text.read()
-            if b"start worker process " in said and b" exited with code " in said:
-                log.info("edgefl: the gateway takes object uploads of at most %d bytes", limit)
-                return
-            time.sleep(RELOAD_POLL_S)
-        log.warning("edgefl: the gateway did not reload in %.0f s: uploads are not bounded at %d bytes yet",
-                    RELOAD_TIMEOUT_S, limit)  # fmt: skip
+        if failed := _reload(folder):
+            log.warning("edgefl: the gateway's object uploads are not bounded at %d bytes yet: %s", limit, failed)
+        else:
+            log.info("edgefl: the gateway takes object uploads of at most %d bytes", limit)
 
 
 @contextlib.contextmanager

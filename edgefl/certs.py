@@ -185,8 +185,9 @@ def _write_revoked(
 
 def revoke(out: Path, cert_file: Path) -> int:
     """Add the certificate ``cert_file`` (one the CA in ``out`` signed: a submitter's) to the CA's revocation list;
-    returns its serial. The gateway reads the list when it starts and when it reloads (each run's start:
-    ``contract.uploads``). CertError (one line) for a file that is not a certificate of this CA."""
+    returns its serial. A gateway reads the list when it starts and when it reloads (``edgefl certs --revoke``
+    reloads those serving: ``edgefl.gateway.reload_gateways``). CertError (one line) for a file that is not a
+    certificate of this CA."""
     ca_cert, ca_key = _load_ca(out)
     try:
         cert = x509.load_pem_x509_certificate(cert_file.read_bytes())

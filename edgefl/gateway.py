@@ -17,6 +17,7 @@ server's, and carries ``flwr run`` and ``flwr log --stream`` alike."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 from dataclasses import dataclass
@@ -24,11 +25,14 @@ from pathlib import Path
 
 from contract.settings import ConfigError, parse_address
 from contract.transport import KEEPALIVE_S
-from contract.uploads import LIMIT_CONF, NO_RUN_LIMIT, PID_FILE, POSTED, limit_conf
+from contract.uploads import LIMIT_CONF, NO_RUN_LIMIT, PID_FILE, POSTED, alive, limit_conf, reload
 from edgefl.certs import ServerCerts
 from edgefl.processes import LaunchError, ProcessGroup, free_port, tail
 
+log = logging.getLogger("edgefl.gateway")
+
 STARTUP_TIMEOUT_S = 30.0
+RUNNING = "gateways"  # in a certificates folder: a file per gateway serving with them (its nginx pid: its folder)
 CONTROL_REFUSED = "the Control API takes a submitter certificate signed by this server's CA"
 OTHER_REFUSED = "only the Fleet API (/v1/fleet/) is served to the network"
 # One HTTP request carries one object of a message. An object upload (a device's reply: one object holding its
@@ -166,7 +170,36 @@ http {{
             raise LaunchError(
                 f"nginx could not serve {self.listen_host}:{self.listen_port}: {tail(folder / 'error.log', 1)}"
             ) from None
+        if self.certs:
+            _register(self.certs.ca.parent, folder)
         return folder
+
+
+def _register(certs_dir: Path, folder: Path) -> None:
+    """Note the gateway of ``folder`` in ``certs_dir``: ``edgefl certs --revoke`` reloads it (``reload_gateways``)."""
+    try:
+        (certs_dir / RUNNING).mkdir(exist_ok=True)
+        (certs_dir / RUNNING / (folder / PID_FILE).read_text().strip()).write_text(str(folder))
+    except OSError as exc:  # e.g. a certificates folder this user may only read: the gateway serves all the same
+        log.warning("edgefl: %s; edgefl certs --revoke will not reload this gateway (restart it after one)", exc)
+
+
+def reload_gateways(certs_dir: Path) -> list[str]:
+    """Have every gateway still serving with the certificates of ``certs_dir`` read them again (a revocation applies
+    at once); a line for each: reloaded, or why not."""
+    said = []
+    for entry in sorted((certs_dir / RUNNING).glob("*")):
+        folder = Path(entry.read_text())
+        try:
+            serving = (folder / PID_FILE).read_text().strip() == entry.name and alive(int(entry.name))
+        except (OSError, ValueError):
+            serving = False
+        if not serving:  # stopped (nginx removes its pid file; a killed one leaves it), or the folder another's
+            entry.unlink(missing_ok=True)
+            continue
+        failed = reload(folder)
+        said.append(f"the gateway of {folder} (pid {entry.name}): " + (failed or "reloaded"))
+    return said
 
 
 def gateway_folder(log_dir: Path) -> Path:

@@ -43,7 +43,7 @@ from edgefl.certs import (
     make_submitter_certs,
     revoke,
 )
-from edgefl.gateway import Gateway, gateway_folder
+from edgefl.gateway import Gateway, gateway_folder, reload_gateways
 from edgefl.launcher import (
     CONNECT_TIMEOUT_S,
     FEDERATION,
@@ -423,8 +423,12 @@ def cmd_certs(args: argparse.Namespace) -> int:
         if args.host or args.node_keys or args.submitters:
             raise ConfigError("--revoke changes only the revocation list: give it with --out alone")
         serial = revoke(args.out, args.revoke)
-        print(f"revoked {args.revoke} (serial {serial:x}) in {args.out / REVOKED}: the gateway refuses it from the "
-              "next run's start (or edgefl server's)")  # fmt: skip
+        print(f"revoked {args.revoke} (serial {serial:x}) in {args.out / REVOKED}")
+        reloaded = reload_gateways(args.out)
+        for line in reloaded:
+            print(line)
+        if not reloaded:
+            print("no gateway is serving with these certificates: edgefl server refuses it from its next start")
         return 0
     certs = make_server_certs(args.out, args.host)
     print(f"CA certificate (give it to every device): {certs.ca}")
@@ -485,7 +489,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--submitters", type=int, default=0, metavar="N",
                    help="also N submitter certificates submitter-I.pem/.key (edgefl run --submitter-cert)")  # fmt: skip
     p.add_argument("--revoke", type=Path, metavar="PEM", help="revoke this submitter certificate of the CA in --out "
-                   "(nothing else is made); the gateway refuses it from the next run's start")  # fmt: skip
+                   "(nothing else is made); a running edgefl server's gateway refuses it at once")  # fmt: skip
     p.set_defaults(func=cmd_certs)
 
     p = sub.add_parser("server", help="run the SuperLink devices join (TLS); prints the edgefl client line")

@@ -19,13 +19,13 @@ import pytest
 
 from contract.uploads import ENV as UPLOADS_ENV
 from contract.uploads import LIMIT_CONF, NO_RUN_LIMIT, limit_conf, posted
-from edgefl.certs import ServerCerts, make_node_keys, make_server_certs, make_submitter_certs, revoke
+from edgefl.certs import ServerCerts, make_node_keys, make_server_certs, make_submitter_certs
 from edgefl.gateway import CONNECTIONS_PER_ADDRESS, Gateway
 from edgefl.launcher import FEDERATION, FLOWER_INTERNAL, flower_env, run_flwr, write_flwr_home
 from edgefl.processes import LaunchError, ProcessGroup, free_port
 from netem.profiles import BUILTIN_LINKS
 from netem.testbed import SERVER_IP, Testbed
-from tests.conftest import processes_of
+from tests.conftest import REPO, processes_of
 from tests.test_remote import Command
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -176,10 +176,18 @@ def test_one_address_cannot_take_the_door_and_bodies_are_small_but_uploads(tmp_p
         upstream.shutdown()
 
 
-def test_a_revoked_submitter_is_refused_at_the_control_api(tmp_path: Path) -> None:
-    """Real nginx on loopback with TLS (the SuperLink stood in for): once ``edgefl certs --revoke`` revoked a
-    submitter's certificate and the gateway reloaded (at a run's start, or the server's), that certificate is refused
-    (nginx's 400, the reason in its log) before the Control API; another submitter's still gets through."""
+def _revoke_command(certs: Path, cert: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "edgefl.cli", "certs", "--out", str(certs), "--revoke", str(cert)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_revoked_submitter_is_refused_at_the_control_api_at_once(tmp_path: Path) -> None:
+    """Real nginx on loopback with TLS (the SuperLink stood in for): ``edgefl certs --revoke`` (the command) reloads
+    the gateway serving with those certificates, so the revoked certificate is refused from the command's return on
+    (nginx's 400, the reason in its log) before the Control API; another submitter's still gets through. A gateway
+    that stopped is forgotten: the next revocation says none is serving."""
     upstream = _UpstreamServer(("127.0.0.1", 0), _Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     make_server_certs(tmp_path, ["127.0.0.1"])
@@ -202,13 +210,14 @@ def test_a_revoked_submitter_is_refused_at_the_control_api(tmp_path: Path) -> No
             gateway = Gateway("127.0.0.1", port, upstream.server_address[1], ServerCerts.in_dir(tmp_path))
             folder = gateway.start(procs, ())
             assert control(lost)[0] == 200
-            revoke(tmp_path, lost)
-            with posted(1_000_000, str(folder)):  # a run starts: the gateway reloads, and reads the list again
-                status, body = control(lost)
-                assert status == 400 and "SSL certificate error" in body, body  # nginx's own refusal of a bad one
-                assert control(kept)[0] == 200
+            said = _revoke_command(tmp_path, lost)
+            assert f"the gateway of {folder} (pid " in said and "): reloaded" in said, said
+            status, body = control(lost)
+            assert status == 400 and "SSL certificate error" in body, body  # nginx's own refusal of a bad one
+            assert control(kept)[0] == 200
         access = (tmp_path / "logs" / "gateway" / "access.log").read_text()
         assert "client-cert=FAILED:certificate revoked" in access, access
+        assert "no gateway is serving with these certificates" in _revoke_command(tmp_path, kept)
     finally:
         upstream.shutdown()
 

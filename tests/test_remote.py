@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from edgefl.cli import build_parser
+from edgefl.gateway import RUNNING
 from edgefl.processes import free_port, process_tree
 from edgefl.remote import ClientSpec, systemd_unit
 from tests.conftest import REPO, edgefl, processes_of
@@ -259,13 +260,18 @@ def test_systemd_unit_runs_the_same_client_command(tmp_path: Path) -> None:
 
 
 def test_certs_revoke_changes_only_the_revocation_list(tmp_path: Path, edgefl_main) -> None:
-    """``edgefl certs --revoke``: the CA and the other files stay as they were; anything but a certificate of that
-    CA, or other requests beside it, is one line."""
+    """``edgefl certs --revoke``: the CA and the other files stay as they were; a gateway noted as serving with them
+    that stopped (here: its folder is gone) is forgotten, and the command says none was reloaded; anything but a
+    certificate of that CA, or other requests beside it, is one line."""
     certs = tmp_path / "certs"
     assert edgefl_main("certs", "--out", certs, "--submitters", "2").returncode == 0
     ca = (certs / "ca.pem").read_bytes()
+    stopped = certs / RUNNING / "4194305"
+    stopped.parent.mkdir()
+    stopped.write_text(str(tmp_path / "gone"))
     done = edgefl_main("certs", "--out", certs, "--revoke", certs / "submitter-1.pem")
-    assert done.returncode == 0 and "revoked" in done.stdout and "next run's start" in done.stdout, done.stderr
+    assert done.returncode == 0 and "revoked" in done.stdout, done.stderr
+    assert "no gateway is serving with these certificates" in done.stdout and not stopped.exists(), done.stdout
     assert (certs / "ca.pem").read_bytes() == ca
     _one_line_error(edgefl_main("certs", "--out", certs, "--revoke", certs / "ca.pem", "--submitters", "1"), "alone")
     _one_line_error(edgefl_main("certs", "--out", certs, "--revoke", certs / "server.key"), "not a certificate of")
