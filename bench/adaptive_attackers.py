@@ -25,6 +25,7 @@ as the mean over seeds with its 95 % interval, per attack and rule.
 
     python bench/adaptive_attackers.py [--seeds 3] [--rounds 30] [--rules mean,trimmed-mean:0.25]
         [--norm-factors 2] [--attacks NAME,NAME] [--dataset digits] [--partition dirichlet:0.3] [--compress none]
+        [--strategy fedavg]
         [--out runs/bench-adaptive-attackers]
 
 Writes OUT/result.md, OUT/result.json (``clients``, ``attackers``, ``seeds``, ``rounds``, ``influence_bound_held``,
@@ -133,15 +134,18 @@ def run_one(config: RunConfig, rule: str, norm_factor: float, attack: str) -> Ru
     result = RunResult(rule, norm_factor, attack, config.seed)
     attackers = ATTACKERS if attack != "clean" else ()
     honest_reach: dict[int, list[float]] = {}
+    history = {0: start}  # the global models a client may still be sent
+    for client in clients:
+        client.strategy.receive_global(0, start, server.message_state(client.partition_id))
     for r in range(1, config.rounds + 1):
         updates: dict[int, Update] = {}
         dense: dict[int, np.ndarray] = {}
+        held = r - engine.delay - 1  # round r is trained from the global model of round r − D − 1 (bench/sim.py)
         for client in clients:
             j = client.partition_id
-            request = engine.next_request(j, j)
-            assert request is not None and request.next_round == r, f"client {j} was not asked for round {r}"
+            request = engine.assign(j, r, held, history[held]) if held >= 0 else engine.assign(j, r, None, None)
             if request.global_params is not None:
-                client.strategy.receive_global(request.global_round, request.global_params, request.state)
+                client.strategy.receive_global(held, request.global_params, request.state)
             try:
                 update, sent = client.train_one_round(r, client.strategy.start_params(), None)
             except CodecError:  # trained from a wrecked model: the agent's reply is an error (edge.agent)
@@ -167,6 +171,8 @@ def run_one(config: RunConfig, rule: str, norm_factor: float, attack: str) -> Ru
         if not closed:  # an honest client failed: with every client due, the round waits for it for good
             result.ended_at = r
             break
+        history[r] = engine.global_params
+        history.pop(held, None)
         result.steps_refused += closed[0].step_refused is not None
         result.finite_every_round &= bool(np.isfinite(engine.global_params).all())
         result.honest_clipped += sum(j not in attackers for j in closed[0].clipped)
@@ -204,7 +210,7 @@ def report(results: list[RunResult], args: argparse.Namespace) -> tuple[str, dic
     attacks = [a for a in args.attacks if a != "clean"]
     lines = [
         f"# Two adaptive attackers among {CLIENTS} clients from round 1: {args.dataset} ({args.partition}), "
-        f"{args.rounds} rounds of {args.local_steps} local steps, codec {args.compress}, seeds "
+        f"{args.rounds} rounds of {args.local_steps} local steps, {args.strategy}, codec {args.compress}, seeds "
         f"{', '.join(map(str, args.seeds))}",
         "",
         "Final accuracy: the mean of the last 3 rounds; the change against the clean run of the same seed, rule and "
@@ -220,7 +226,7 @@ def report(results: list[RunResult], args: argparse.Namespace) -> tuple[str, dic
     ]
     figures: dict = {"clients": CLIENTS, "attackers": list(ATTACKERS), "seeds": args.seeds, "rounds": args.rounds,
                      "dataset": args.dataset, "partition": args.partition, "local_steps": args.local_steps,
-                     "compress": args.compress,
+                     "compress": args.compress, "strategy": args.strategy,
                      "default_norm_factor": NORM_FACTOR, "clean": [], "rows": []}  # fmt: skip
     for rule, factor in itertools.product(args.rules, args.norm_factors):
         clean = [final[(rule, factor, "clean", s)] for s in args.seeds]
@@ -297,6 +303,7 @@ def main() -> int:
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--partition", default="dirichlet:0.3")
     parser.add_argument("--compress", default="none", help="the devices' codec (the attackers send dense updates)")
+    parser.add_argument("--strategy", default="fedavg", help="fedavg or dga:D (every client every round)")
     parser.add_argument("--rules", default="mean,trimmed-mean:0.25", help="--aggregate rules, comma-separated")
     parser.add_argument("--norm-factors", default=f"{NORM_FACTOR:g}", help="the bound's factors, comma-separated")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)}")
@@ -322,6 +329,7 @@ def main() -> int:
     try:
         configs = {seed: build_config(None, dataset=args.dataset, partition=args.partition, clients=CLIENTS,
                                       rounds=args.rounds, local_steps=args.local_steps, compress=args.compress,
+                                      strategy=args.strategy,
                                       seed=seed) for seed in args.seeds}  # fmt: skip
     except ValueError as exc:  # ConfigError, SpecError: one line each
         print(f"bad settings: {exc}", file=sys.stderr)
