@@ -42,6 +42,17 @@ def test_two_adaptive_attackers_stay_within_the_bound_and_the_model_stays_finite
     assert "| mean | " in (tmp_path / "result.md").read_text()
 
 
+def test_under_dga_each_round_is_trained_from_the_model_d_rounds_older_and_the_bound_holds(tmp_path: Path) -> None:
+    """DGA's rounds through the engine's ``assign`` (a round r − D − 1 global model for round r): every round closes,
+    the attackers stay within the bound, and the rounds before any global model moved train from the start."""
+    done = _bench(tmp_path, "--strategy", "dga:2", "--rules", "mean", "--attacks", "flip-at-bound")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    [row] = result["rows"]
+    assert result["strategy"] == "dga:2" and row["influence_bound_held"] and row["model_finite_every_round"], row
+    assert row["runs_stuck_at"] == [] and row["worst_norm_over_honest"] <= NORM_FACTOR * (1 + 1e-6), row
+
+
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path: Path) -> None:
     for args, said in [(("--attacks", "flip,nonsense"), "unknown attacks"), (("--rules", "mean,krum:x"), "bad --rules"),
                        (("--norm-factors", "1"), "every norm factor above 1"),
