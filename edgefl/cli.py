@@ -85,7 +85,10 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
                    "on the server machine")  # fmt: skip
     p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, metavar="S",
                    help="remote: seconds to wait for an unreachable server (default 30)")  # fmt: skip
-    p.add_argument("--aggregate", help="mean (default) | median | trimmed-mean:BETA | krum:F (robust aggregation)")
+    p.add_argument(
+        "--aggregate",
+        help="mean (default) | median | trimmed-mean:BETA | krum:F | centered-clip:TAU (robust aggregation)",
+    )
     p.add_argument("--eval-every", type=int, help="evaluate the global model every this many rounds and after the "
                    "last (default 1)")  # fmt: skip
     p.add_argument("--eval-examples", type=int, help="evaluate the global model on a fixed sample of this many "

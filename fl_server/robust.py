@@ -7,9 +7,19 @@
 - ``krum:F``: the one update Δ_k minimising Σ_{j ∈ N_k} ‖Δ_k − Δ_j‖², N_k its n − F − 2 nearest neighbours,
   which tolerates F Byzantine clients out of n > 2F + 2 (Blanchard et al., NeurIPS 2017).
 
-The rules are Flower's own (``flwr.server.strategy.aggregate``); this adapter hands them flat update vectors
+- ``centered-clip:TAU``: centered clipping (Karimireddy, He & Jaggi, "Learning from History for Byzantine Robust
+  Optimization", ICML 2021) around the previous round's aggregate v (the first round's: the coordinate-wise
+  median), ``CC_ITERATIONS`` times
+
+      v ← v + (1/n) Σ_k (Δ_k − v) · min(1, τ / ‖Δ_k − v‖₂),    τ = TAU · med_k ‖Δ_k − v‖₂,
+
+  so that a client moves the aggregate by at most τ/n from where the run was heading, whichever way it points
+  (the round's own spread sets τ: no scale to tune). Flower has no such rule; this one is edgefl's.
+
+The first three are Flower's own (``flwr.server.strategy.aggregate``); this adapter hands them flat update vectors
 as one-layer models. Unlike the mean they ignore the example counts and need every update of the round at
-once, which the RoundEngine then keeps for the open round."""
+once, which the RoundEngine then keeps for the open round. Centered clipping keeps its centre from round to
+round (a resumed run starts again from the median)."""
 
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ import numpy as np
 from contract.flower import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 from strategies.rounds import Aggregator
 from strategies.spec import Spec
+from strategies.validation import l2_norm
 
 
 def make_aggregator(spec: Spec) -> Aggregator | None:
@@ -32,6 +43,8 @@ def make_aggregator(spec: Spec) -> Aggregator | None:
             return partial(_trimmed_mean, beta=spec.value)
         case "krum":
             return partial(_krum, f=int(spec.value))
+        case "centered-clip":
+            return CenteredClip(spec.value)
     return None
 
 
@@ -49,3 +62,26 @@ def _trimmed_mean(updates: list[tuple[np.ndarray, int]], beta: float) -> np.ndar
 
 def _krum(updates: list[tuple[np.ndarray, int]], f: int) -> np.ndarray:
     return np.asarray(aggregate_krum(_as_layers(updates), num_malicious=f, to_keep=0)[0], dtype=np.float32)
+
+
+CC_ITERATIONS = 3  # the paper's l: a few steps from the previous centre suffice
+
+
+class CenteredClip:
+    """The centered-clipping rule's state: its centre v, the last round's aggregate."""
+
+    def __init__(self, tau_factor: float) -> None:
+        self.tau_factor = tau_factor
+        self.centre: np.ndarray | None = None
+
+    def __call__(self, updates: list[tuple[np.ndarray, int]]) -> np.ndarray:
+        deltas = [update.astype(np.float64) for update, _ in updates]
+        centre = np.median(np.stack(deltas), axis=0) if self.centre is None else self.centre
+        for _ in range(CC_ITERATIONS):
+            offsets = [delta - centre for delta in deltas]
+            norms = [l2_norm(offset) for offset in offsets]
+            tau = self.tau_factor * float(np.median(norms))
+            clipped = [o * min(1.0, tau / n) for o, n in zip(offsets, norms, strict=True) if n > 0]
+            centre = centre + sum(clipped, np.zeros_like(centre)) / len(deltas)
+        self.centre = centre
+        return centre.astype(np.float32)

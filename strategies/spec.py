@@ -74,9 +74,10 @@ AGGREGATES: dict[str, Parameter | None] = {
     "median": None,
     "trimmed-mean": Parameter("a fraction BETA in [0, 0.5)", lambda b: 0 <= b < 0.5),
     "krum": Parameter("a whole number F ≥ 0 of Byzantine clients", lambda f: f >= 0, integer=True),
+    "centered-clip": Parameter("a factor TAU > 0 of the round's median distance", lambda t: t > 0),
 }
 
 
 def parse_aggregate(text: str) -> Spec:
-    """``mean``, ``median``, ``trimmed-mean:BETA`` or ``krum:F`` (see ``fl_server.robust``)."""
+    """``mean``, ``median``, ``trimmed-mean:BETA``, ``krum:F`` or ``centered-clip:TAU`` (see ``fl_server.robust``)."""
     return parse_spec(text, "aggregation", AGGREGATES)

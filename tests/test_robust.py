@@ -1,5 +1,5 @@
-"""Robust aggregation (``--aggregate``): Flower's median, trimmed mean and Krum through fl_server.robust, on hand
-examples, inside the round engine, and as a config setting."""
+"""Robust aggregation (``--aggregate``): Flower's median, trimmed mean and Krum through fl_server.robust, and
+centered clipping, on hand examples, inside the round engine, and as a config setting."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from contract.errors import EdgeflError
 from contract.settings import build_config
-from fl_server.robust import make_aggregator
+from fl_server.robust import CC_ITERATIONS, make_aggregator
 from strategies.codecs import make_client_codec, parse_codec
 from strategies.rounds import RoundEngine, Update
 from strategies.spec import SpecError, parse_aggregate
@@ -47,6 +47,26 @@ def test_krum_picks_the_update_closest_to_its_neighbours() -> None:
     # With every honest update at the same point, that point wins outright.
     same = make_aggregator(parse_aggregate("krum:1"))(_updates([2, 2, 2], [2, 2, 2], [2, 2, 2], [2, 2, 2], [-9, 9, -9]))
     np.testing.assert_array_equal(same, [2, 2, 2])
+
+
+def test_centered_clipping_moves_at_most_tau_over_n_from_its_centre_and_keeps_the_centre() -> None:
+    """Round 1 starts from the coordinate-wise median; each of the rule's steps moves the centre by at most τ (the
+    factor times the median distance to it), so an update as far off as it likes leaves the aggregate among the
+    honest ones; in round 2 the centre is round 1's aggregate, so identical updates there give themselves back."""
+    honest = [[1.0, 1.0, 1.0], [1.2, 0.8, 1.0], [0.8, 1.1, 0.9], [1.0, 0.9, 1.1]]
+    rule = make_aggregator(parse_aggregate("centered-clip:1"))
+    median = np.median(np.array([*honest, [1e6, -1e6, 1e6]]), axis=0)
+    first = rule(_updates(*honest, [1e6, -1e6, 1e6]))
+    tau = np.median([np.linalg.norm(np.array(row) - median) for row in [*honest, [1e6, -1e6, 1e6]]])
+    assert first.dtype == np.float32 and np.linalg.norm(first - median) <= CC_ITERATIONS * tau + 1e-6
+    assert np.all(np.abs(first - 1.0) < 0.3), first
+    np.testing.assert_allclose(rule.centre, first, rtol=1e-6)
+    again = rule(_updates(*[list(first)] * 4))
+    np.testing.assert_allclose(again, first, rtol=1e-6)
+    flipped = make_aggregator(parse_aggregate("centered-clip:1"))
+    flipped(_updates(*honest, [1.0, 1.0, 1.0]))  # a centre near the honest updates
+    pulled = flipped(_updates(*honest, [-1e6, -1e6, -1e6]))  # then one points far the other way
+    assert np.all(pulled > 0.5), pulled  # still with the honest ones, where the mean is at -2e5
 
 
 def test_a_poisoned_client_does_not_move_the_median_but_moves_the_mean() -> None:
@@ -88,6 +108,8 @@ def test_the_engine_aggregates_a_round_with_the_rule() -> None:
         ("trimmed-mean:x", "needs a fraction BETA"),
         ("krum:-1", "needs a whole number F ≥ 0"),
         ("krum:1.5", "needs a whole number F ≥ 0"),
+        ("centered-clip", "needs a factor TAU > 0"),
+        ("centered-clip:0", "needs a factor TAU > 0"),
     ],
 )
 def test_bad_rules_are_refused_in_one_line(text: str, message: str) -> None:
