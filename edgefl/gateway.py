@@ -189,8 +189,8 @@ def reload_gateways(certs_dir: Path) -> list[str]:
     at once); a line for each: reloaded, or why not."""
     said = []
     for entry in sorted((certs_dir / RUNNING).glob("*")):
-        folder = Path(entry.read_text())
         try:
+            folder = Path(entry.read_text())
             serving = (folder / PID_FILE).read_text().strip() == entry.name and alive(int(entry.name))
         except (OSError, ValueError):
             serving = False

@@ -6,7 +6,6 @@
   rest (Yin et al. 2018); 0 ≤ BETA < 0.5.
 - ``krum:F``: the one update Δ_k minimising Σ_{j ∈ N_k} ‖Δ_k − Δ_j‖², N_k its n − F − 2 nearest neighbours,
   which tolerates F Byzantine clients out of n > 2F + 2 (Blanchard et al., NeurIPS 2017).
-
 - ``centered-clip:TAU``: centered clipping (Karimireddy, He & Jaggi, "Learning from History for Byzantine Robust
   Optimization", ICML 2021) around the previous round's aggregate v (the first round's: the coordinate-wise
   median), ``CC_ITERATIONS`` times
