@@ -5,8 +5,9 @@ Each run is the deployment's arithmetic without the network, as ``bench/sim.py``
 ``strategies.rounds.RoundEngine`` (the bound of ``strategies.validation``, float64 sums, a step that is not finite
 refused whole, and ``--aggregate``'s robust rules from ``fl_server.robust``) takes the updates of the deployment's
 own client sessions (``edge.agent.Session``: partition, trainer, codec). Clients ``ATTACKERS`` are adversaries from
-round 1 on that know everything the server knows — their exact bound each round (in round 1, from the round's other
-updates, as the engine sets it), every honest update of the round (they collude and see the others) — answer
+round 1 on that know everything the server knows — their exact bound from round 2 on (in round 1 the engine bounds
+the held updates by all the round's others, the other attacker's included, which they set from the honest ones
+alone: a bound at most that large), every honest update of the round (they collude and see the others) — answer
 first, and claim their partition's whole size as their weight. Each run is repeated with every client honest
 (clean) under the same seed and rule.
 
@@ -55,7 +56,7 @@ from fl_server.robust import make_aggregator
 from ml.data import load_dataset
 from ml.models import build_model, get_flat_params, set_flat_params
 from ml.trainer import evaluate
-from strategies.codecs import CodecError, server_compressor
+from strategies.codecs import CodecError
 from strategies.codecs.dense import NoCompression, dense_payload
 from strategies.rounds import RoundEngine, Update
 from strategies.spec import parse_aggregate
@@ -152,8 +153,7 @@ def run_one(config: RunConfig, rule: str, norm_factor: float, attack: str) -> Ru
                 engine.fail(j)
                 continue
             client.strategy.record_sent(r, sent)
-            updates[j] = Update(r, update.stype, update.payload, update.num_examples)
-            dense[j] = server_compressor(update.stype).decode(update.payload, client.layout)
+            updates[j], dense[j] = update, sent  # sent: the update as the server decodes it
         honest = [dense[j] for j in dense if j not in attackers]
         if not honest:
             result.ended_at = r
