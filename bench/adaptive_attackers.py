@@ -17,7 +17,14 @@ Attacks (every round, both attackers):
   against the mean: it points exactly against the round's progress);
 - ``noise-at-bound``: a random direction at the bound;
 - ``ratchet``: its own honest update at its bound (looks honest; tries to widen the bound round after round);
-- ``huge-first``: every value 3e38 (float32's largest order), answered first: the round-1 path with no history.
+- ``huge-first``: every value 3e38 (float32's largest order), answered first: the round-1 path with no history;
+- ``alie``: "a little is enough" (Baruch et al., NeurIPS 2019), per coordinate μ_j − z·σ_j of the honest updates with
+  z = Φ⁻¹((n − s)/n), s = ⌊n/2 + 1⌋ − f (n = 8, f = 2: z = 0.32), at most at the bound: inside the honest spread,
+  where the robust rules' trimming and clipping do not reach it;
+- ``ipm``: inner-product manipulation (Xie et al., UAI 2020), −ε·μ with ε = 0.1: a short update against the
+  round's progress, close to the honest ones.
+- ``withheld``: no attack, its data withheld: it sends the honest clients' mean. What any rule loses when two
+  clients' data (on non-IID partitions, much of some classes) stops counting, the floor under every attack's cost.
 
 Criteria: ``influence_bound_held`` — every accepted update of an attacker has an L2 norm of at most
 ``norm_factor`` times the largest recent norm of an honest client (the attackers never widened their bound);
@@ -44,6 +51,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 from results import write_result
@@ -67,6 +75,9 @@ ATTACKERS = (6, 7)
 WINDOW = 3  # rounds averaged: a run's final accuracy
 HUGE = 3e38
 MARGIN = 1 - 1e-6  # an attacker aims just under its bound (float32 rounding must not push it over)
+_SUPPORTERS = CLIENTS // 2 + 1 - len(ATTACKERS)  # ALIE's s: honest clients the attackers need on their side
+ALIE_Z = NormalDist().inv_cdf((CLIENTS - _SUPPORTERS) / CLIENTS)
+IPM_EPSILON = 0.1
 ALLOWED_LOSS_POINTS = 2.0  # the issue's bar for adaptive attackers under the default rule
 
 
@@ -84,12 +95,21 @@ def _at(bound: float, direction: np.ndarray) -> np.ndarray:
     return (direction.astype(np.float64) * (MARGIN * bound / l2_norm(direction))).astype(np.float32)
 
 
+def _alie(r: Round) -> np.ndarray:
+    honest = np.stack(r.honest).astype(np.float64)
+    vector = honest.mean(axis=0) - ALIE_Z * honest.std(axis=0)
+    return vector.astype(np.float32) if l2_norm(vector) <= r.bound else _at(r.bound, vector)
+
+
 ATTACKS: dict[str, Callable[[Round], np.ndarray]] = {
     "flip-at-bound": lambda r: _at(r.bound, -r.own),
     "colluding-flip": lambda r: _at(r.bound, -np.mean(r.honest, axis=0)),
     "noise-at-bound": lambda r: _at(r.bound, r.rng.standard_normal(r.own.size).astype(np.float32)),
     "ratchet": lambda r: _at(r.bound, r.own),
     "huge-first": lambda r: np.full(r.own.size, HUGE, dtype=np.float32),
+    "alie": _alie,
+    "withheld": lambda r: np.mean(r.honest, axis=0).astype(np.float32),
+    "ipm": lambda r: (-IPM_EPSILON * np.mean(r.honest, axis=0)).astype(np.float32),
 }
 
 

@@ -66,7 +66,7 @@ class RunConfig:
     quorum: float = 0.5
     round_deadline_s: float = 120.0
     port: int = 0
-    aggregate: str = "mean"  # mean | median | trimmed-mean:BETA | krum:F (fl_server.robust)
+    aggregate: str = "mean"  # mean | median | trimmed-mean:BETA | krum:F | centered-clip:TAU [:nnm] (fl_server.robust)
     eval_examples: int = 0  # server-side evaluation on this many test examples (a fixed sample); 0 = all
     eval_every: int = 1  # evaluate the global model every this many rounds (and after the last)
     federation: str = "local"  # local: this machine starts every process | remote: submit to a running SuperLink

@@ -87,7 +87,8 @@ def add_run_options(p: argparse.ArgumentParser, several_profiles: bool = False) 
                    help="remote: seconds to wait for an unreachable server (default 30)")  # fmt: skip
     p.add_argument(
         "--aggregate",
-        help="mean (default) | median | trimmed-mean:BETA | krum:F | centered-clip:TAU (robust aggregation)",
+        help="mean (default) | median | trimmed-mean:BETA | krum:F | centered-clip:TAU (robust aggregation); "
+        "':nnm' after a robust rule mixes each update with its nearest neighbours first",
     )
     p.add_argument("--eval-every", type=int, help="evaluate the global model every this many rounds and after the "
                    "last (default 1)")  # fmt: skip

@@ -15,6 +15,15 @@
   so that a client moves the aggregate by at most τ/n from where the run was heading, whichever way it points
   (the round's own spread sets τ: no scale to tune). Flower has no such rule; this one is edgefl's.
 
+Any of them but the mean may be followed by ``:nnm`` (``centered-clip:1:nnm``): nearest-neighbour mixing first
+(Allouah et al., "Fixing by Mixing", AISTATS 2023) replaces each update by the mean of its n − f nearest updates (itself
+included, L2), f = ⌊``NNM_BYZANTINE_FRACTION`` · n⌋,
+
+    Δ_k ← (1 / (n − f)) Σ_{j ∈ N_k} Δ_j,
+
+which pulls heterogeneous honest updates together and leaves an update far from them (a sign flip) mixed only with
+its own kind, so that the rule after it meets a round as homogeneous as an iid one.
+
 The first three are Flower's own (``flwr.server.strategy.aggregate``); this adapter hands them flat update vectors
 as one-layer models. Unlike the mean they ignore the example counts and need every update of the round at
 once, which the RoundEngine then keeps for the open round. Centered clipping keeps its centre from round to
@@ -28,13 +37,22 @@ import numpy as np
 
 from contract.flower import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 from strategies.rounds import Aggregator
-from strategies.spec import Spec
+from strategies.spec import MIXING, Spec
 from strategies.validation import l2_norm
+
+NNM_BYZANTINE_FRACTION = 0.25  # f / n: each update is mixed with its n − f nearest
 
 
 def make_aggregator(spec: Spec) -> Aggregator | None:
     """The rule of a parsed ``--aggregate`` spec (``strategies.spec.parse_aggregate``); None for ``mean``, the
     engine's own streaming mean."""
+    rule = _rule(spec)
+    if rule is not None and MIXING in spec.options:
+        return lambda updates: rule(nearest_neighbour_mixing(updates))
+    return rule
+
+
+def _rule(spec: Spec) -> Aggregator | None:
     match spec.name:
         case "median":
             return _median
@@ -45,6 +63,17 @@ def make_aggregator(spec: Spec) -> Aggregator | None:
         case "centered-clip":
             return CenteredClip(spec.value)
     return None
+
+
+def nearest_neighbour_mixing(updates: list[tuple[np.ndarray, int]]) -> list[tuple[np.ndarray, int]]:
+    """Each update replaced by the mean of its n − f nearest in L2 (itself first), its example count kept."""
+    stack = np.stack([update.astype(np.float64) for update, _ in updates])
+    keep = len(updates) - int(NNM_BYZANTINE_FRACTION * len(updates))
+    squared = np.einsum("ij,ij->i", stack, stack)
+    distances = squared[:, None] + squared[None, :] - 2 * stack @ stack.T
+    np.fill_diagonal(distances, -np.inf)  # itself first, whatever the rounding
+    nearest = np.argsort(distances, axis=1, kind="stable")[:, :keep]
+    return [(stack[row].mean(axis=0).astype(np.float32), n) for row, (_, n) in zip(nearest, updates, strict=True)]
 
 
 def _as_layers(updates: list[tuple[np.ndarray, int]]) -> list[tuple[list[np.ndarray], int]]:

@@ -78,6 +78,19 @@ AGGREGATES: dict[str, Parameter | None] = {
 }
 
 
+MIXING = "nnm"  # the robust rules' one option: nearest-neighbour mixing first (fl_server.robust)
+
+
 def parse_aggregate(text: str) -> Spec:
-    """``mean``, ``median``, ``trimmed-mean:BETA``, ``krum:F`` or ``centered-clip:TAU`` (see ``fl_server.robust``)."""
-    return parse_spec(text, "aggregation", AGGREGATES)
+    """``mean``, ``median``, ``trimmed-mean:BETA``, ``krum:F`` or ``centered-clip:TAU``, the robust ones optionally
+    followed by ``:nnm`` (see ``fl_server.robust``)."""
+    spec = parse_spec(text, "aggregation", AGGREGATES, options=True)
+    if spec.options and (spec.options != (MIXING,) or spec.name == "mean"):
+        robust = [name for name in AGGREGATES if name != "mean"]
+        if AGGREGATES[spec.name] is None and spec.options[0] != MIXING:
+            raise SpecError(f"aggregation {spec.name!r} takes no parameter, got {text!r}")
+        raise SpecError(
+            f"aggregation {text!r}: the only option is ':{MIXING}', after one of {', '.join(robust)} (e.g. "
+            f"'centered-clip:1:{MIXING}')"
+        )
+    return spec

@@ -8,7 +8,7 @@ import pytest
 
 from contract.errors import EdgeflError
 from contract.settings import build_config
-from fl_server.robust import CC_ITERATIONS, make_aggregator
+from fl_server.robust import CC_ITERATIONS, make_aggregator, nearest_neighbour_mixing
 from strategies.codecs import make_client_codec, parse_codec
 from strategies.rounds import RoundEngine, Update
 from strategies.spec import SpecError, parse_aggregate
@@ -110,6 +110,9 @@ def test_the_engine_aggregates_a_round_with_the_rule() -> None:
         ("krum:1.5", "needs a whole number F ≥ 0"),
         ("centered-clip", "needs a factor TAU > 0"),
         ("centered-clip:0", "needs a factor TAU > 0"),
+        ("mean:nnm", "the only option is ':nnm', after one of median"),
+        ("centered-clip:1:nmm", "the only option is ':nnm'"),
+        ("median:nnm:nnm", "the only option is ':nnm'"),
     ],
 )
 def test_bad_rules_are_refused_in_one_line(text: str, message: str) -> None:
@@ -123,3 +126,29 @@ def test_bad_rules_are_refused_in_one_line(text: str, message: str) -> None:
 def test_the_rule_is_a_config_setting() -> None:
     assert build_config().aggregate == "mean"
     assert build_config(aggregate="krum:1").aggregate == "krum:1"
+    assert build_config(aggregate="centered-clip:1:nnm").aggregate_spec.options == ("nnm",)
+
+
+def test_nearest_neighbour_mixing_leaves_far_updates_with_their_own_kind() -> None:
+    """Six heterogeneous honest updates and two sign-flipped at twice their length: centered clipping alone is pulled
+    toward the flips; mixed first, each honest update becomes the mean of the six honest ones (its n − ⌊n/4⌋ = 6
+    nearest), the flips only each other and four honest, and the rule lands within the honest updates' spread."""
+    rng = np.random.default_rng(0)
+    honest = [np.array([1.0, 0.0, 0.0]) + rng.normal(0, 0.3, 3) for _ in range(6)]
+    flip = -2 * np.mean(honest, axis=0)
+    updates = _updates(*honest, flip, flip)
+    mixed = nearest_neighbour_mixing(updates)
+    for (update, n), (_, count) in zip(mixed[:6], updates[:6], strict=True):
+        np.testing.assert_allclose(update, np.mean(honest, axis=0), rtol=1e-5)
+        assert n == count
+    target = np.mean(honest, axis=0)
+    plain = make_aggregator(parse_aggregate("centered-clip:1"))(updates)
+    with_mixing = make_aggregator(parse_aggregate("centered-clip:1:nnm"))(updates)
+    assert np.linalg.norm(with_mixing - target) < 0.5 * np.linalg.norm(plain - target), (plain, with_mixing)
+    assert np.linalg.norm(with_mixing - target) < 0.1 * np.linalg.norm(target)
+
+
+def test_mixing_identical_updates_changes_nothing() -> None:
+    rows = [[1.0, 2.0, 3.0]] * 4
+    for text in ("median:nnm", "trimmed-mean:0.25:nnm", "krum:1:nnm", "centered-clip:1:nnm"):
+        np.testing.assert_allclose(make_aggregator(parse_aggregate(text))(_updates(*rows)), rows[0], rtol=1e-6)
