@@ -89,6 +89,7 @@ class Attack:
     name: str
     delivery: str  # REPLY, FINAL or FORGED
     build: Callable[[Target], RecordDict | Message]
+    needs_history: bool = False  # made from a reply of an earlier round: never scheduled in round 1
 
 
 # ----- replies with a header the server must refuse ------------------------------------------------------------
@@ -305,7 +306,7 @@ def _catalogue() -> list[Attack]:
         Attack("header not JSON", REPLY, lambda t: _content("{partition-id: 3", b"")),
         Attack("partition-id of another device", REPLY, _other_partition),
         Attack("partition-size x1000", REPLY, _inflated_partition),
-        Attack("replayed update (the round before)", REPLY, _replayed),
+        Attack("replayed update (the round before)", REPLY, _replayed, needs_history=True),
         Attack("future round (+2)", REPLY, _future),
         Attack("round=2**31-1", REPLY, update_with(round=INT32_MAX)),
         Attack("reply_to a made-up message", FORGED, forged(_made_up, as_victim=False)),
@@ -341,8 +342,8 @@ ATTACKS: dict[str, Attack] = {attack.name: attack for attack in _catalogue()}
 
 # ----- the plan ------------------------------------------------------------------------------------------------
 def attacked_rounds(rounds: int, honest_every: int) -> list[int]:
-    """Rounds 1, 1 + K, 1 + 2K, ... are honest (K = ``honest_every``); the others are attacked."""
-    return [r for r in range(1, rounds + 1) if (r - 1) % honest_every]
+    """Rounds K, 2K, 3K, ... are honest (K = ``honest_every``); the others, round 1 first, are attacked."""
+    return [r for r in range(1, rounds + 1) if r % honest_every]
 
 
 def rounds_needed(names: list[str], honest_every: int) -> int:
@@ -356,17 +357,19 @@ def rounds_needed(names: list[str], honest_every: int) -> int:
 
 
 def schedule(names: list[str], rounds: int, honest_every: int) -> dict[int, list[str]]:
-    """Each attacked round's attacks: one that fails a reply (REPLY or FINAL) each, in order; the forged ones (which
-    count for nobody) dealt round-robin, first in their round."""
+    """Each attacked round's attacks: one that fails a reply (REPLY or FINAL) each, in order, those made from an
+    earlier round's reply last; the forged ones (which count for nobody, and go out on the task that answered the
+    round before) dealt round-robin from the second attacked round on, first in their round."""
     attacked = attacked_rounds(rounds, honest_every)
-    failing = [n for n in names if ATTACKS[n].delivery != FORGED]
+    failing = sorted((n for n in names if ATTACKS[n].delivery != FORGED), key=lambda n: ATTACKS[n].needs_history)
     forged = [n for n in names if ATTACKS[n].delivery == FORGED]
     if len(failing) > len(attacked) or not attacked:
         raise ValueError(f"{len(failing)} attacks need a round each; {rounds} rounds attack in {len(attacked)}: use "
                          f"--rounds {rounds_needed(names, honest_every)}")  # fmt: skip
     plan: dict[int, list[str]] = {r: [] for r in attacked}
+    carriers = attacked[1:] or attacked
     for i, name in enumerate(forged):
-        plan[attacked[i % len(attacked)]].append(name)
+        plan[carriers[i % len(carriers)]].append(name)
     for round_, name in zip(attacked, failing, strict=False):
         plan[round_].append(name)
     return {r: names_ for r, names_ in plan.items() if names_}

@@ -1,28 +1,30 @@
-"""A hostile device in a real federation, and a stranger at the server's door.
+"""Hostile devices in a real federation, and a stranger at the server's door.
 
-A real 4-client deployment on the namespaced testbed (``--profile lan``: the SuperLink on the server namespace's
-loopback behind the gateway, each device in a namespace of its own), run twice with the same seed: clean, and with
-client 3 hostile (``bench/hostile_agent.py``: edgefl's own agent whose replies carry attacks). The hostile device is
-honest in round 1 and in every ``--honest-every``-th round after it and attacks in the others, one attack per reply:
-overflowing and non-finite fields, inflated weights, replayed and future rounds, malformed and oversized payloads of
-every codec's wire type, decoder bombs, non-finite values, replies for messages it was not sent. Meanwhile a stranger in
-its network namespace tries the server's Control and ServerAppIo APIs through the gateway, every other port the server
-namespace listens on, and Flower's own ``flwr supernode register``, ``flwr ls`` and ``flwr run``, then holds
-SLOW_CONNECTIONS slow connections on the gateway for SLOW_HOLD_S. Criteria: every round completes; every attack is
+A real deployment of ``--clients`` devices (8) on the namespaced testbed (``--profile lan``: the SuperLink on the
+server namespace's loopback behind the gateway, each device in a namespace of its own), run twice with the same seed:
+clean, and with the last ``--attackers`` (2) hostile (``bench/hostile_agent.py``: edgefl's own agent whose replies
+carry attacks). The attacks are dealt among the hostile devices; each attacks from round 1 on, in every round but
+every ``--honest-every``-th, one attack per reply: overflowing and non-finite fields, inflated weights, replayed and
+future rounds, malformed and oversized payloads of every codec's wire type, decoder bombs, non-finite values, replies
+for messages it was not sent. Meanwhile a stranger in the first hostile device's network namespace tries the server's
+Control and ServerAppIo APIs through the gateway, every other port the server namespace listens on, and Flower's own
+``flwr supernode register``, ``flwr ls`` and ``flwr run``, then holds ``--slow-connections`` slow connections on the
+gateway from each hostile device's address at once for SLOW_HOLD_S. Criteria: every round completes; every attack is
 refused, with the server's reason; the final accuracy (the mean of the last 3 evaluations) is within 1 point of the
 clean run's; the server's peak RSS (VmHWM, the sum of SuperLink, SuperExec and ServerApp) is within 20 % of the clean
 run's; the stranger is refused everywhere; the honest devices' messages (median round trip) are at most 1.5x slower
 while the slow connections are held than before. ``--list`` shows the attacks. A reply over what the run allows (15 and
 17 MB; ``upload_bound_bytes`` is this run's bound) is refused at the gateway before the SuperLink stores any of it
-(``contract.uploads``).
+(``contract.uploads``). Updates within the bound that point the wrong way are ``bench/adaptive_attackers.py``'s.
 
-    python bench/hostile_clients.py [--rounds N] [--honest-every 2] [--attacks NAME,NAME] [--no-clean]
-        [--dataset digits] [--local-steps 5] [--out runs/bench-hostile-clients]
+    python bench/hostile_clients.py [--clients 8] [--attackers 2] [--rounds N] [--honest-every 2]
+        [--attacks NAME,NAME] [--slow-connections 1000] [--no-clean] [--dataset digits] [--local-steps 5]
+        [--out runs/bench-hostile-clients]
 
-Writes OUT/result.md and OUT/result.json (``attacks_tried``, ``attacks_refused``, ``rounds``, ``rounds_completed``,
-``accuracy_delta_points``, ``stranger_refused``, ``server_peak_rss_mb``, ``upload_bound_bytes``,
-``slow_connections_round_ratio``, and a row per attack and per probe); the two runs' folders are OUT/clean and
-OUT/hostile (the attacks sent: OUT/hostile/attacks.jsonl)."""
+Writes OUT/result.md and OUT/result.json (``clients``, ``attackers``, ``attacks_tried``, ``attacks_refused``,
+``rounds``, ``rounds_completed``, ``accuracy_delta_points``, ``stranger_refused``, ``server_peak_rss_mb``,
+``upload_bound_bytes``, ``slow_connections_round_ratio``, and a row per attack and per probe); the two runs' folders
+are OUT/clean and OUT/hostile (the attacks each hostile client sent: OUT/hostile/attacks-CLIENT.jsonl)."""
 
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ from edgefl.launcher import (
 from edgefl.processes import LaunchError, ProcessGroup, interrupt_on_signals, process_tree
 
 HOSTILE_AGENT = Path(__file__).resolve().parent / "hostile_agent.py"
-CLIENTS = 4
-ATTACKER, VICTIM = 3, 0  # the hostile device, and the device whose messages it answers in its forged replies
+CLIENTS, ATTACKERS = 8, 2  # defaults: the devices, and how many of them (the last partitions) are hostile
+VICTIM = 0  # the device whose messages the hostile ones answer in their forged replies
 WINDOW = 3  # evaluations averaged: a run's final accuracy
 SERVER_ROLES = {"flower-superlink": "SuperLink", "flower-superexec": "SuperExec", "flwr-serverapp": "ServerApp"}
 RSS_POLL_S = 0.2
@@ -149,28 +151,29 @@ HTTP_PROBES = {
 
 
 class WithHostileAgent(ProcessGroup):
-    """A federation's processes, client ATTACKER's agent started as the hostile agent instead of forked (the same
-    command line, with ``bench/hostile_agent.py --plan PLAN`` in place of ``-m fl_client.node``)."""
+    """A federation's processes, each hostile client's agent started as the hostile agent instead of forked (the
+    same command line, with ``bench/hostile_agent.py --plan PLAN`` in place of ``-m fl_client.node``)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str], plan: Path) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str], plans: dict[int, Path]) -> None:
         super().__init__(log_dir, env)
-        self.plan = plan
+        self.plans = {f"agent-{client}": plan for client, plan in plans.items()}
 
     def fork(self, server: ForkServer, name: str, module: str, args: list[str], netns: str | None,
              command: list[str]) -> ForkedProcess | subprocess.Popen[bytes]:  # fmt: skip
-        if name != f"agent-{ATTACKER}":
+        if name not in self.plans:
             return super().fork(server, name, module, args, netns, command)
         at = command.index("fl_client.node")
-        return self.start(name, [*command[: at - 1], str(HOSTILE_AGENT), "--plan", str(self.plan), *command[at + 1 :]])
+        plan = str(self.plans[name])
+        return self.start(name, [*command[: at - 1], str(HOSTILE_AGENT), "--plan", plan, *command[at + 1 :]])
 
 
 @contextlib.contextmanager
 def federation(
-    config: RunConfig, plan: Path | None, progress: Callable[[str], None]
+    config: RunConfig, plans: dict[int, Path], progress: Callable[[str], None]
 ) -> Iterator[tuple[LocalFederation, str]]:
-    """``edgefl.launcher.local_federation`` for ``config`` (home: its run folder), with the hostile agent when
-    ``plan`` is given; yields it and the address devices dial (the gateway's)."""
-    processes = functools.partial(WithHostileAgent, plan=plan) if plan else ProcessGroup
+    """``edgefl.launcher.local_federation`` for ``config`` (home: its run folder), with the hostile agents of
+    ``plans`` (client → its plan's file); yields it and the address devices dial (the gateway's)."""
+    processes = functools.partial(WithHostileAgent, plans=plans) if plans else ProcessGroup
     with local_federation(config, Path(config.out).resolve(), progress, processes) as fed:
         yield fed, fed.device_address
 
@@ -211,17 +214,21 @@ class PeakRss(threading.Thread):
 
 
 class Stranger(threading.Thread):
-    """Someone in the hostile device's network namespace who is no submitter: once the run has closed its first round,
-    tries every API but the Fleet API through the gateway, every other port the server namespace listens on, and
-    Flower's CLI, then holds slow connections on the gateway (``SLOW``). ``probes``: what each try got, and whether it
-    was refused."""
+    """Someone in the hostile devices' network namespaces who is no submitter: once the run has closed its first
+    round, tries every API but the Fleet API through the gateway, every other port the server namespace listens on,
+    and Flower's CLI (from the first one's), then holds ``slow_connections`` slow connections on the gateway from each
+    of them at once (``SLOW``). ``probes``: what each try got, and whether it was refused."""
 
-    def __init__(self, fed: LocalFederation, gateway: str, run_dir: Path) -> None:
+    def __init__(
+        self, fed: LocalFederation, gateway: str, run_dir: Path, clients: list[int], slow_connections: int
+    ) -> None:
         super().__init__(daemon=True, name="stranger")
         self.fed, self.gateway, self.run_dir = fed, gateway, run_dir
-        self.prefix = fed.place.client_prefixes[ATTACKER]
+        self.prefixes = [fed.place.client_prefixes[client] for client in clients]
+        self.prefix = self.prefixes[0]
+        self.slow_connections = slow_connections
         self.probes: list[dict[str, Any]] = []
-        self.slow: dict[str, float] = {}  # SLOW's line: when the slow connections were held
+        self.slow: dict[str, float] = {}  # SLOW's lines, summed: when every address held its slow connections
         self.error = ""
         self.halt = threading.Event()  # the run is over
 
@@ -261,19 +268,30 @@ class Stranger(threading.Thread):
         self._slow_connections(host, int(port), ca)
 
     def _slow_connections(self, host: str, port: int, ca: Path) -> None:
-        """SLOW_CONNECTIONS held open on the gateway for SLOW_HOLD_S (stopped early when the run ends)."""
-        argv = [*self.prefix, sys.executable, "-c", SLOW, host, str(port), str(ca), str(SLOW_CONNECTIONS),
-                str(SLOW_HOLD_S)]  # fmt: skip
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-            while proc.poll() is None:
+        """``slow_connections`` held open on the gateway for SLOW_HOLD_S from each address at once (stopped early
+        when the run ends); ``slow``: the span all of them held theirs, and their counts summed."""
+        argv = [sys.executable, "-c", SLOW, host, str(port), str(ca), str(self.slow_connections), str(SLOW_HOLD_S)]
+        procs = [subprocess.Popen([*prefix, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for prefix in self.prefixes]  # fmt: skip
+        try:
+            while any(proc.poll() is None for proc in procs):
                 if self.halt.wait(0.5):
-                    proc.kill()
-            out, err = proc.communicate()
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if proc.returncode == 0 and lines:
-            self.slow = json.loads(lines[-1])
+                    for proc in procs:
+                        proc.kill()
+            said = [proc.communicate() for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        lines = [[line for line in out.splitlines() if line.startswith("{")] for out, _ in said]
+        if all(proc.returncode == 0 for proc in procs) and all(lines):
+            held = [json.loads(found[-1]) for found in lines]
+            counts = {key: sum(h[key] for h in held) for key in ("open", "opened", "closed_by_gateway", "failed")}
+            self.slow = {"start": max(h["start"] for h in held), "end": min(h["end"] for h in held), **counts,
+                         "addresses": len(held)}  # fmt: skip
         elif not self.halt.is_set():
-            raise RuntimeError(f"the slow connections failed: {err.strip()[-300:]}")
+            errors = " | ".join(err.strip()[-300:] for _, err in said if err.strip())
+            raise RuntimeError(f"the slow connections failed: {errors}")
 
     def _join_as_a_device(self, ca: Path, key: Path, home: Path) -> None:
         """``edgefl client`` from the stranger's namespace with a key of its own, claiming partition 0: the
@@ -327,13 +345,15 @@ class Run:
     probes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     stranger_error: str = ""
     slow: dict[str, float] = dataclasses.field(default_factory=dict)
+    attackers: list[int] = dataclasses.field(default_factory=list)  # the hostile clients (the hostile run's)
 
     def slow_connections_ratio(self) -> tuple[float | None, int]:
         """The median round trip of the honest devices' messages sent while the slow connections were held over that
         of their messages sent before, and how many were sent while they were held (None: none, or none before)."""
         if not self.slow:
             return None, 0
-        honest = [m for m in self.messages if m.get("partition") != ATTACKER and m.get("round_trip_s") is not None]
+        honest = [m for m in self.messages
+                  if m.get("partition") not in self.attackers and m.get("round_trip_s") is not None]  # fmt: skip
         during = [m["round_trip_s"] for m in honest if self.slow["start"] <= m["sent_at"] <= self.slow["end"]]
         before = [m["round_trip_s"] for m in honest if m["sent_at"] < self.slow["start"]]
         if not during or not before:
@@ -356,27 +376,29 @@ class Run:
         return self.rows[-1]["wall_s"] / len(self.rows) if self.rows else None
 
 
-def run_federation(config: RunConfig, plan: Plan | None, progress: Callable[[str], None]) -> None:
-    """Run ``config`` on a fresh federation (the hostile agent in it when ``plan`` is given, and the stranger
-    knocking), into its folder; what the folder would not hold goes to its MEASURED."""
+def run_federation(
+    config: RunConfig, plans: dict[int, Plan], progress: Callable[[str], None], slow_connections: int
+) -> None:
+    """Run ``config`` on a fresh federation (the hostile agents of ``plans`` in it, client → its plan, and the
+    stranger knocking, when there are any), into its folder; what the folder would not hold goes to its
+    MEASURED."""
     run_dir = Path(config.out).resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    plan_file = None
-    if plan:
-        plan_file = run_dir / "plan.json"
-        plan.save(plan_file)
+    plan_files = {client: run_dir / plan_name(client) for client in plans}
+    for client, plan in plans.items():
+        plan.save(plan_files[client])
     error = ""
-    with federation(config, plan_file, progress) as (fed, gateway):
+    with federation(config, plan_files, progress) as (fed, gateway):
         rss = PeakRss([proc.pid for name, proc in fed.procs.procs if name in ("superlink", WARM_SERVERAPP)])
         rss.start()
-        stranger = Stranger(fed, gateway, run_dir) if plan else None
+        stranger = Stranger(fed, gateway, run_dir, sorted(plans), slow_connections) if plans else None
         if stranger:
             stranger.start()
         try:
             run_on(fed, config, progress)
         except LaunchError as exc:
-            if plan is None:
+            if not plans:
                 raise
             error = str(exc)
             progress(f"the hostile run failed: {error}")
@@ -387,33 +409,41 @@ def run_federation(config: RunConfig, plan: Plan | None, progress: Callable[[str
                 stranger.join()
     measured = {"peak_rss_mb": peak, "error": error, "probes": stranger.probes if stranger else [],
                 "stranger_error": stranger.error if stranger else "",
-                "slow": stranger.slow if stranger else {}}  # fmt: skip
+                "slow": stranger.slow if stranger else {}, "attackers": sorted(plans)}  # fmt: skip
     (run_dir / MEASURED).write_text(json.dumps(measured, indent=1))
 
 
+def plan_name(client: int) -> str:
+    return f"plan-{client}.json"
+
+
+def attacks_log(client: int) -> str:
+    return f"attacks-{client}.jsonl"
+
+
 # ----- what the server made of each attack ---------------------------------------------------------------------
-def attack_outcomes(run: Run) -> list[dict[str, Any]]:
-    """A row per attack in the hostile device's log: its round, whether the server (or the SuperLink before it)
-    refused it, and the reason. The server's refusals are matched to the attacks in order: each reply of the
-    hostile device (partition ATTACKER) it refuses is a ``rejected`` entry of the round it closes in; an honest reply
+def attack_outcomes(run: Run, attacker: int) -> list[dict[str, Any]]:
+    """A row per attack in hostile client ``attacker``'s log: its round, whether the server (or the SuperLink
+    before it) refused it, and the reason. The server's refusals are matched to the attacks in order: each reply of
+    the hostile device (its partition) it refuses is a ``rejected`` entry of the round it closes in; an honest reply
     is refused nothing but, when it answers the server asking again after an attack, "late" if the round closed
     without it (a round with its quorum does not wait for a node that failed); an attack answering a round its
     partition then counts in was taken."""
-    log = [json.loads(line) for line in _read(run.folder / "attacks.jsonl").splitlines()]
+    log = [json.loads(line) for line in _read(run.folder / attacks_log(attacker)).splitlines()]
     server_log = _read(run.folder / SERVER_LOG)
     superlink_log = _read(run.folder / "logs" / "superlink.log")
     gateway_log = _read(run.folder / "logs" / "gateway" / "access.log")
     too_large = re.search(r'"POST /v1/fleet/push-object [^"]*" 413 ', gateway_log)
     settled = {m["message_id"] for m in run.messages}
     rows = {r["round"]: r for r in run.rows}
-    rejections = [(r["round"], x) for r in run.rows for x in r["rejected"] if x["client"] == ATTACKER]
+    rejections = [(r["round"], x) for r in run.rows for x in r["rejected"] if x["client"] == attacker]
     sent = [e for e in log if "skipped" not in e and e["delivery"] != FORGED]
     honest_rounds = {e["round"] for e in sent if e["attack"] == "honest"}
     last_of_round = {e["round"]: e for e in sent}
     outcomes = []
     for entry in log:
         round_, name = entry["round"], entry["attack"]
-        row = {"round": round_, "attack": name, "delivery": entry["delivery"]}
+        row = {"client": attacker, "round": round_, "attack": name, "delivery": entry["delivery"]}
         if name == "honest":
             if rejections and rejections[0][1]["round"] == round_ and rejections[0][1]["reason"].startswith("late"):
                 rejections.pop(0)  # the honest update of an attacked round, after it closed without the device
@@ -429,11 +459,11 @@ def attack_outcomes(run: Run) -> list[dict[str, Any]]:
             entry is last_of_round[round_]
             and round_ not in honest_rounds
             and closed is not None
-            and ATTACKER in closed["clients"]
+            and attacker in closed["clients"]
         )
         if taken:
             outcomes.append({**row, "sent": True, "refused": False, "by": "—",
-                             "reason": f"TAKEN: round {round_} counts partition {ATTACKER}'s update"})  # fmt: skip
+                             "reason": f"TAKEN: round {round_} counts partition {attacker}'s update"})  # fmt: skip
         elif entry["answers"] not in settled:
             outcomes.append({**row, "sent": True, "refused": True, "by": "before the server",
                              "reason": "the server never received it (no reply to its message settled)"})  # fmt: skip
@@ -496,7 +526,7 @@ def _cell(text: Any) -> str:
 
 
 def report(
-    config: RunConfig, plan: Plan, clean: Run | None, hostile: Run, outcomes: list[dict[str, Any]]
+    config: RunConfig, plans: dict[int, Plan], clean: Run | None, hostile: Run, outcomes: list[dict[str, Any]]
 ) -> tuple[str, dict[str, Any]]:
     """result.md's text and result.json's figures."""
     probes, stranger_error = hostile.probes, hostile.stranger_error
@@ -513,7 +543,10 @@ def report(
     slow_ratio, slow_messages = hostile.slow_connections_ratio()
     posted = re.search(r"the gateway takes object uploads of at most (\d+) bytes", _read(hostile.folder / SERVER_LOG))
     upload_bound = int(posted.group(1)) if posted else None  # the run's, as its ServerApp posted it (contract.uploads)
+    attacked = {client: _ranges(sorted(plan.rounds)) for client, plan in plans.items()}
     figures = {
+        "clients": config.clients,
+        "attackers": sorted(plans),
         "rounds": config.rounds,
         "rounds_completed": completed,
         "rounds_closed_by_deadline": deadline_rounds,
@@ -530,7 +563,7 @@ def report(
         "server_peak_rss_ratio": ratio,
         "upload_bound_bytes": upload_bound,
         "stranger_refused": stranger_refused,
-        "slow_connections": {**hostile.slow, "count": SLOW_CONNECTIONS, "honest_messages_while_held": slow_messages},
+        "slow_connections": {**hostile.slow, "honest_messages_while_held": slow_messages},
         "slow_connections_round_ratio": slow_ratio,
         "hostile_run_error": hostile.error or None,
         "stranger_error": stranger_error or None,
@@ -549,14 +582,15 @@ def report(
     hostile_acc = f"{hostile.final_accuracy:.4f}" if hostile.final_accuracy is not None else "—"
     rss_clean = f"{clean.peak_rss_mb['sum']:.0f}" if clean else "—"
     lines = [
-        f"# A hostile device and a stranger: {config.dataset} ({config.partition}), {CLIENTS} clients, "
+        f"# Hostile devices and a stranger: {config.dataset} ({config.partition}), {config.clients} clients, "
         f"{config.strategy}, {config.rounds} rounds of {config.local_steps} local steps, link {config.profile}, "
-        f"seed {config.seed}; client {ATTACKER} attacks in rounds {_ranges(sorted(plan.rounds))}",
+        f"seed {config.seed}; "
+        + "; ".join(f"client {client} attacks in rounds {rounds}" for client, rounds in attacked.items()),
         "",
         "| criterion | measured | |",
         "|---|---|---|",
         f"| every round completes, none held to its deadline | {completed} of {config.rounds}"
-        + (f"; closed by the deadline: rounds {deadline_rounds}" if deadline_rounds else "; each closed by all four")
+        + (f"; closed by the deadline: rounds {deadline_rounds}" if deadline_rounds else "; none by its deadline")
         + (f"; {_cell(hostile.error)}" if hostile.error else "")
         + f" | {met(ok['rounds'])} |",
         f"| every attack refused, with its reason | {len(refused)} of {len(tried)} | {met(ok['attacks'])} |",
@@ -567,8 +601,8 @@ def report(
         f"| the stranger refused | {sum(p['refused'] for p in probes)} of {len(probes)} tries"
         + (f"; its probing failed: {_cell(stranger_error)}" if stranger_error else "")
         + f" | {met(ok['stranger'])} |",
-        f"| honest devices' messages at most {SLOW_RATIO_BAR:g}x slower while the stranger holds {SLOW_CONNECTIONS} "
-        "slow connections on the gateway (median round trip, during / before) | "
+        f"| honest devices' messages at most {SLOW_RATIO_BAR:g}x slower while the stranger holds slow connections "
+        "on the gateway (median round trip, during / before) | "
         + (
             f"{slow_ratio:.2f}x over {slow_messages} messages in {_slow_span(hostile.slow)}"
             if slow_ratio is not None
@@ -581,17 +615,18 @@ def report(
         "The gateway's bound on one reply's upload while the hostile run went: "
         + (f"{upload_bound} bytes ({SERVER_LOG})." if upload_bound else "none posted."),
         "",
-        f"## The attacks (client {ATTACKER}; `{hostile.folder.name}/attacks.jsonl`)",
+        f"## The attacks (`{hostile.folder.name}/attacks-CLIENT.jsonl`)",
         "",
-        "| round | attack | how | refused | by | reason |",
-        "|---|---|---|---|---|---|",
+        "| client | round | attack | how | refused | by | reason |",
+        "|---|---|---|---|---|---|---|",
         *(
-            f"| {o['round']} | {_cell(o['attack'])} | {o['delivery']} | {_refused(o)} | {o['by']} | "
+            f"| {o['client']} | {o['round']} | {_cell(o['attack'])} | {o['delivery']} | {_refused(o)} | {o['by']} | "
             f"{_cell(o['reason'])} |"
-            for o in outcomes
+            for o in sorted(outcomes, key=lambda o: (o["round"], o["client"]))
         ),
         "",
-        f"## The stranger (in client {ATTACKER}'s network namespace, no client certificate)",
+        f"## The stranger (in client {min(plans)}'s network namespace, no client certificate; slow connections from "
+        f"clients {', '.join(map(str, sorted(plans)))}')",
         "",
         "| try | answer | refused |",
         "|---|---|---|",
@@ -613,8 +648,9 @@ def _slow_span(slow: dict[str, float]) -> str:
     """How long the slow connections were held, and what the gateway did with them."""
     if not slow:
         return ""
-    return (f"{slow['end'] - slow['start']:.0f} s ({slow['opened']} opened, {slow['closed_by_gateway']} closed by the "
-            f"gateway, {slow['failed']} refused, {slow['open']} open at the end)")  # fmt: skip
+    return (f"{slow['end'] - slow['start']:.0f} s from {slow['addresses']} addresses ({slow['opened']} opened, "
+            f"{slow['closed_by_gateway']} closed by the gateway, {slow['failed']} refused, {slow['open']} open at the "
+            "end)")  # fmt: skip
 
 
 def _ranges(rounds: list[int]) -> str:
@@ -639,7 +675,11 @@ def main() -> int:
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--partition", default="iid")
     parser.add_argument("--rounds", type=int, help="default: the fewest that give each attack but the forged a round")
-    parser.add_argument("--honest-every", type=int, default=2, help="round 1 and every K-th after it are honest")
+    parser.add_argument("--clients", type=int, default=CLIENTS)
+    parser.add_argument("--attackers", type=int, default=ATTACKERS, help="hostile clients (the last partitions)")
+    parser.add_argument("--honest-every", type=int, default=2, help="every K-th round is honest (round 1 attacked)")
+    parser.add_argument("--slow-connections", type=int, default=SLOW_CONNECTIONS,
+                        help="slow connections the stranger holds from each hostile client's address")  # fmt: skip
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attacks", help="comma-separated attack names (default: all, --list shows them)")
@@ -656,11 +696,17 @@ def main() -> int:
         print(f"unknown attacks {unknown}; --list shows them", file=sys.stderr)
         return 2
     if args.honest_every < 2:
-        print("--honest-every must be at least 2 (round 1 and every K-th after it are honest)", file=sys.stderr)
+        print("--honest-every must be at least 2 (every K-th round is honest)", file=sys.stderr)
         return 2
-    rounds = args.rounds or rounds_needed(names, args.honest_every)
+    if not 1 <= args.attackers < args.clients or args.slow_connections < 1:
+        print("--attackers must be at least 1 and fewer than --clients, --slow-connections at least 1", file=sys.stderr)
+        return 2
+    attackers = list(range(args.clients - args.attackers, args.clients))
+    shares = {client: names[i :: len(attackers)] for i, client in enumerate(attackers)}  # the attacks dealt round-robin
+    rounds = args.rounds or max(rounds_needed(share, args.honest_every) for share in shares.values())
     try:
-        plan_rounds = schedule(names, rounds, args.honest_every)
+        plan_rounds = {client: schedule(share, rounds, args.honest_every) if share else {}
+                       for client, share in shares.items()}  # fmt: skip
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -668,7 +714,7 @@ def main() -> int:
     out = args.out.resolve()
 
     def config_for(name: str) -> RunConfig:
-        return build_config(None, dataset=args.dataset, partition=args.partition, clients=CLIENTS, rounds=rounds,
+        return build_config(None, dataset=args.dataset, partition=args.partition, clients=args.clients, rounds=rounds,
                             local_steps=args.local_steps, seed=args.seed, profile=args.profile,
                             out=str(out / name))  # fmt: skip
 
@@ -677,21 +723,26 @@ def main() -> int:
 
     config = config_for("hostile")
     run_dir = Path(config.out).resolve()
-    plan = Plan(plan_rounds, run_dir / "attacks.jsonl", run_dir / "logs" / f"supernode-{VICTIM}.log",
-                run_dir / "logs" / f"agent-{VICTIM}.log")  # fmt: skip
+    plans = {client: Plan(plan_rounds[client], run_dir / attacks_log(client),
+                          run_dir / "logs" / f"supernode-{VICTIM}.log", run_dir / "logs" / f"agent-{VICTIM}.log")
+             for client in attackers}  # fmt: skip
+    who = f"clients {', '.join(map(str, attackers))}"
     if not args.report_only:
         finals = sum(ATTACKS[n].delivery == FINAL for n in names)
-        print(f"{len(names)} attacks ({finals} that answer a round) in {len(plan_rounds)} of {rounds} rounds")
-        runs = [] if args.no_clean else [("clean", f"client {ATTACKER} honest throughout", None)]
-        runs.append(("hostile", f"client {ATTACKER} attacks", plan))
-        for i, (name, what, with_plan) in enumerate(runs, 1):
+        attacked = len(set().union(*plan_rounds.values()))
+        print(f"{len(names)} attacks ({finals} that answer a round) by {who} in {attacked} of {rounds} rounds")
+        runs = [] if args.no_clean else [("clean", f"{who} honest throughout", {})]
+        runs.append(("hostile", f"{who} attack", plans))
+        for i, (name, what, with_plans) in enumerate(runs, 1):
             print(f"== [{i}/{len(runs)}] {name}: {what}", flush=True)
-            run_federation(config_for(name), with_plan, progress)
+            run_federation(config_for(name), with_plans, progress, args.slow_connections)
     else:
-        config, plan = build_config(run_dir / CONFIG), Plan.load(run_dir / "plan.json")
+        config = build_config(run_dir / CONFIG)
+        plans = {client: Plan.load(run_dir / plan_name(client)) for client in attackers}
     clean = None if args.no_clean or not (out / "clean" / MEASURED).exists() else Run.load(out / "clean")
     hostile = Run.load(run_dir)
-    text, figures = report(config, plan, clean, hostile, attack_outcomes(hostile))
+    outcomes = [o for client in attackers for o in attack_outcomes(hostile, client)]
+    text, figures = report(config, plans, clean, hostile, outcomes)
     write_result(out, text, figures)
     return 0
 

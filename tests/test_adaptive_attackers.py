@@ -59,3 +59,19 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path: Path) -> None:
                        (("--compress", "bogus"), "unknown codec 'bogus'")]:  # fmt: skip
         done = _bench(tmp_path, *args)
         assert done.returncode == 2 and said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_attacks_inside_the_honest_spread_are_as_short_as_their_definitions_and_mixing_takes_them(
+    tmp_path: Path,
+) -> None:
+    """ALIE (μ − z·σ, capped at the bound), inner-product manipulation (−0.1·μ) and the withheld baseline (μ) against
+    centered clipping with nearest-neighbour mixing: none longer than its definition allows over the longest honest
+    update (IPM at most a tenth, the honest mean at most one), every round finite."""
+    done = _bench(tmp_path, "--rules", "centered-clip:1:nnm", "--attacks", "alie,ipm,withheld")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = {row["attack"]: row for row in json.loads((tmp_path / "result.json").read_text())["rows"]}
+    assert set(rows) == {"alie", "ipm", "withheld"}
+    assert rows["ipm"]["worst_norm_over_honest"] <= 0.1 * (1 + 1e-5), rows["ipm"]
+    assert rows["withheld"]["worst_norm_over_honest"] <= 1 + 1e-5, rows["withheld"]
+    assert 0 < rows["alie"]["worst_norm_over_honest"] <= NORM_FACTOR * (1 + 1e-6), rows["alie"]
+    assert all(row["model_finite_every_round"] and row["influence_bound_held"] for row in rows.values())

@@ -1,8 +1,9 @@
-"""``bench/hostile_clients.py``, short: a real 4-client federation on the namespaced testbed in which client 3
-(``bench/hostile_agent.py``: edgefl's own agent, its replies swapped for attacks) attacks in every even round
-while a stranger in its network namespace tries the server's Control and ServerAppIo APIs. Every round
-completes, each closed by all four clients; every attack is refused, with the server's (or the SuperLink's)
-reason; the stranger is refused everywhere; nothing is left running."""
+"""``bench/hostile_clients.py``, short: a real 4-client federation on the namespaced testbed in which clients 2 and 3
+(``bench/hostile_agent.py``: edgefl's own agent, its replies swapped for attacks) attack from round 1 on, in every
+odd round, while a stranger in client 2's network namespace tries the server's Control and ServerAppIo APIs and
+holds slow connections from both addresses. Every round completes, none held to its deadline; every attack is
+refused, with the server's (or the SuperLink's) reason; the stranger is refused everywhere; nothing is left
+running."""
 
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ ATTACKS = [
     "none: NaN value",
     "15 MB reply (decoder bomb)",  # over what the run allows: refused at the gateway (413), counted as a failure
 ]
-ROUNDS = 22  # a round each for all but the forged attacks, every other round honest
+ROUNDS = 11  # a round each for all but the forged attacks of each attacker, every other round honest
 TIMEOUT_S = 600
 
 
 def test_a_hostile_device_and_a_stranger_are_refused_and_every_round_completes(tmp_path: Path) -> None:
-    argv = [sys.executable, "bench/hostile_clients.py", "--no-clean", "--rounds", str(ROUNDS),
-            "--attacks", ",".join(ATTACKS), "--out", str(tmp_path)]  # fmt: skip
+    argv = [sys.executable, "bench/hostile_clients.py", "--no-clean", "--clients", "4", "--attackers", "2",
+            "--rounds", str(ROUNDS), "--attacks", ",".join(ATTACKS), "--out", str(tmp_path)]  # fmt: skip
     bench = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = bench.communicate(timeout=TIMEOUT_S)
@@ -64,7 +65,10 @@ def test_a_hostile_device_and_a_stranger_are_refused_and_every_round_completes(t
     assert result["rounds_completed"] == ROUNDS and not result["hostile_run_error"], result
     assert result["rounds_closed_by_deadline"] == [], "an attack held a round to its deadline"
     attacks = result["attacks"]
+    assert (result["clients"], result["attackers"]) == (4, [2, 3])
     assert sorted(a["attack"] for a in attacks) == sorted(ATTACKS)
+    assert {a["client"] for a in attacks} == {2, 3}
+    assert {a["client"] for a in attacks if a["round"] == 1} == {2, 3}, "both attack the run's first round"
     assert all(a["sent"] for a in attacks), [a for a in attacks if not a["sent"]]
     assert result["attacks_tried"] == len(ATTACKS)
     taken = [f"round {a['round']} {a['attack']}: {a['reason']}" for a in attacks if a["sent"] and not a["refused"]]
