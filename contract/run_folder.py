@@ -42,6 +42,7 @@ MESSAGES = "messages.jsonl"
 SUMMARY = "summary.json"
 CHECKPOINT = "checkpoint.npz"
 STRATEGY_KEY = "strategy:"  # a checkpoint's arrays of the strategy's state are named "strategy:NAME"
+AGGREGATE_KEY = "aggregate:"  # and those of the aggregation rule's state (centered clipping's centre) "aggregate:NAME"
 GLOBAL_ONNX = "global.onnx"
 SERVER_ERROR = "server_error.txt"
 SERVER_LOG = "server.log"  # the ServerApp's log (``fl_server.app.run_in_folder``); not echoed
@@ -91,6 +92,7 @@ class RunFolder:
         norms = np.asarray(checkpoint.recent_norms, dtype=np.float64)
         momentum = np.asarray(checkpoint.momentum, dtype=np.float32)
         state = {STRATEGY_KEY + key: value for key, value in checkpoint.strategy.items()}
+        state |= {AGGREGATE_KEY + key: value for key, value in checkpoint.aggregate.items()}
         np.savez(tmp, round=np.int64(checkpoint.round), params=checkpoint.params, wall_s=np.float64(checkpoint.wall_s),
                  recent_norms=norms, momentum=momentum, **state)  # fmt: skip
         os.replace(tmp, self.checkpoint_path)
@@ -102,9 +104,9 @@ class RunFolder:
         with np.load(self.checkpoint_path) as data:
             momentum = data["momentum"] if "momentum" in data else np.zeros(0, np.float32)  # older checkpoints
             strategy = {key.removeprefix(STRATEGY_KEY): data[key] for key in data.files if key.startswith(STRATEGY_KEY)}
-            return Checkpoint(
-                int(data["round"]), data["params"], float(data["wall_s"]), data["recent_norms"], momentum, strategy
-            )
+            rule = {key.removeprefix(AGGREGATE_KEY): data[key] for key in data.files if key.startswith(AGGREGATE_KEY)}
+            round_, wall_s, norms = int(data["round"]), float(data["wall_s"]), data["recent_norms"]
+            return Checkpoint(round_, data["params"], wall_s, norms, momentum, strategy, rule)
 
     def append(self, name: str, row: dict[str, Any]) -> None:
         """One row of ``rounds.jsonl`` or ``messages.jsonl``."""
@@ -309,6 +311,7 @@ class Checkpoint:
     recent_norms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # (client, norm) rows: ``InfluenceBound``'s
     momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # ``ServerMomentum``'s; empty: none
     strategy: dict[str, np.ndarray] = field(default_factory=dict)  # the strategy's server half's ``state()``
+    aggregate: dict[str, np.ndarray] = field(default_factory=dict)  # the aggregation rule's (``fl_server.robust``)
 
 
 def regime(trips: list[dict[str, Any]]) -> dict[str, float | None]:

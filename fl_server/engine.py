@@ -67,7 +67,7 @@ from contract.transport import FAST, STOCK, UNDELIVERED, pull_replies
 from contract.uploads import posted, reply_bytes_at_most
 from contract.wire import WireError, WireSize, error_reason, parse_reply, reply_key, train_message, wire_size
 from fl_server.membership import Membership, PushRefused, RoundStuck
-from fl_server.robust import make_aggregator
+from fl_server.robust import make_aggregator, restore_rule, rule_state
 from ml.data import DataError, Dataset, load_dataset, one_partition
 from ml.model_card import model_card
 from ml.onnx import INPUT_NAME, OUTPUT_NAME, inference_session, scores, with_parameters
@@ -436,7 +436,8 @@ class Traffic:
 class RunState:
     """What a run keeps across processes: resumed from the run's checkpoint when it has one (``--resume``), and
     checkpointed after each closed round — the global model and its round, the wall clock, the norm history of
-    update validation, global momentum (``gm=BETA``) and the strategy's server state (``ServerHalf.state``)."""
+    update validation, global momentum (``gm=BETA``), the strategy's server state (``ServerHalf.state``) and the
+    aggregation rule's (``fl_server.robust.rule_state``)."""
 
     def __init__(self, config: RunConfig, folder: RunFolder, start_params: np.ndarray) -> None:
         """``start_params``: the seeded start model, for a run without a checkpoint. Rows after the checkpoint's
@@ -448,11 +449,14 @@ class RunState:
         self.momentum = global_momentum(config.codec_spec, size, self.start.momentum)
         self.strategy = strategy_half(config, size)
         self.strategy.restore(self.start.strategy)
+        self.aggregator = make_aggregator(config.aggregate_spec)
+        restore_rule(self.aggregator, self.start.aggregate)
 
     def checkpoint(self, closed: ClosedRound, wall_s: float) -> Checkpoint:
         """The state after ``closed``, at the run's wall clock ``wall_s``."""
         norms = self.validator.history_rows()
-        return Checkpoint(closed.round, closed.global_params, wall_s, norms, closed.momentum, closed.strategy_state)
+        return Checkpoint(closed.round, closed.global_params, wall_s, norms, closed.momentum, closed.strategy_state,
+                          rule_state(self.aggregator))  # fmt: skip
 
 
 class ReplySource(Protocol):
@@ -573,7 +577,7 @@ class ServerLoop:
             quorum=config.quorum,
             deadline_s=config.round_deadline_s,
             start_round=start.round,
-            aggregator=make_aggregator(config.aggregate_spec),
+            aggregator=self.state.aggregator,
             validator=self.state.validator,
             clients_build_start=start.round == 0,  # a client's Session builds the seeded start model itself
             momentum=self.state.momentum,

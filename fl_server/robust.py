@@ -27,7 +27,7 @@ its own kind, so that the rule after it meets a round as homogeneous as an iid o
 The first three are Flower's own (``flwr.server.strategy.aggregate``); this adapter hands them flat update vectors
 as one-layer models. Unlike the mean they ignore the example counts and need every update of the round at
 once, which the RoundEngine then keeps for the open round. Centered clipping keeps its centre from round to
-round (a resumed run starts again from the median)."""
+round, in the run's checkpoint too (``rule_state``, ``restore_rule``)."""
 
 from __future__ import annotations
 
@@ -47,9 +47,20 @@ def make_aggregator(spec: Spec) -> Aggregator | None:
     """The rule of a parsed ``--aggregate`` spec (``strategies.spec.parse_aggregate``); None for ``mean``, the
     engine's own streaming mean."""
     rule = _rule(spec)
-    if rule is not None and MIXING in spec.options:
-        return lambda updates: rule(nearest_neighbour_mixing(updates))
-    return rule
+    return Mixed(rule) if rule is not None and MIXING in spec.options else rule
+
+
+def rule_state(rule: Aggregator | None) -> dict[str, np.ndarray]:
+    """What ``rule`` carries from round to round, for the run's checkpoint (empty for a rule that carries nothing)."""
+    return rule.state() if isinstance(rule, (CenteredClip, Mixed)) else {}
+
+
+def restore_rule(rule: Aggregator | None, state: dict[str, np.ndarray]) -> None:
+    """``rule`` as ``rule_state`` saved it; a state for a rule that carries none is refused in one line."""
+    if isinstance(rule, (CenteredClip, Mixed)):
+        rule.restore(state)
+    elif state:
+        raise ValueError(f"the checkpoint holds an aggregation rule's state ({', '.join(state)}); this rule keeps none")
 
 
 def _rule(spec: Spec) -> Aggregator | None:
@@ -74,6 +85,22 @@ def nearest_neighbour_mixing(updates: list[tuple[np.ndarray, int]]) -> list[tupl
     np.fill_diagonal(distances, -np.inf)  # itself first, whatever the rounding
     nearest = np.argsort(distances, axis=1, kind="stable")[:, :keep]
     return [(stack[row].mean(axis=0).astype(np.float32), n) for row, (_, n) in zip(nearest, updates, strict=True)]
+
+
+class Mixed:
+    """A robust rule with nearest-neighbour mixing before it (``RULE:nnm``); stateless itself."""
+
+    def __init__(self, rule: Aggregator) -> None:
+        self.rule = rule
+
+    def __call__(self, updates: list[tuple[np.ndarray, int]]) -> np.ndarray:
+        return self.rule(nearest_neighbour_mixing(updates))
+
+    def state(self) -> dict[str, np.ndarray]:
+        return rule_state(self.rule)
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        restore_rule(self.rule, state)
 
 
 def _as_layers(updates: list[tuple[np.ndarray, int]]) -> list[tuple[list[np.ndarray], int]]:
@@ -113,3 +140,9 @@ class CenteredClip:
             centre = centre + sum(clipped, np.zeros_like(centre)) / len(deltas)
         self.centre = centre
         return centre.astype(np.float32)
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {} if self.centre is None else {"centre": self.centre.copy()}
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        self.centre = np.asarray(state["centre"], dtype=np.float64) if "centre" in state else None

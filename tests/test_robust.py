@@ -3,12 +3,16 @@ centered clipping, on hand examples, inside the round engine, and as a config se
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from contract.errors import EdgeflError
+from contract.run_folder import Checkpoint, RunFolder
 from contract.settings import build_config
-from fl_server.robust import CC_ITERATIONS, make_aggregator, nearest_neighbour_mixing
+from fl_server.engine import RunState
+from fl_server.robust import CC_ITERATIONS, make_aggregator, nearest_neighbour_mixing, restore_rule, rule_state
 from strategies.codecs import make_client_codec, parse_codec
 from strategies.rounds import RoundEngine, Update
 from strategies.spec import SpecError, parse_aggregate
@@ -152,3 +156,31 @@ def test_mixing_identical_updates_changes_nothing() -> None:
     rows = [[1.0, 2.0, 3.0]] * 4
     for text in ("median:nnm", "trimmed-mean:0.25:nnm", "krum:1:nnm", "centered-clip:1:nnm"):
         np.testing.assert_allclose(make_aggregator(parse_aggregate(text))(_updates(*rows)), rows[0], rtol=1e-6)
+
+
+def test_centered_clippings_centre_survives_a_checkpoint(tmp_path: Path) -> None:
+    """rule_state → RunFolder.save_checkpoint → RunState on resume: the resumed rule (mixing before it too) starts
+    from the centre it had, and closes the next round as the uninterrupted one does — where a fresh rule, starting
+    from the median, does not."""
+    round_1 = _updates([1.0, 0.0, 0.0], [0.8, 0.2, 0.0], [1.2, -0.1, 0.1], [0.9, 0.0, 0.2], [-5.0, 5.0, 5.0])
+    round_2 = _updates([0.0, 1.0, 0.0], [0.1, 0.9, 0.0], [3.0, 3.0, 3.0], [0.0, 1.1, 0.1], [-5.0, -5.0, 5.0])
+    running = make_aggregator(parse_aggregate("centered-clip:1:nnm"))
+    running(round_1)
+    RunFolder(tmp_path).save_checkpoint(Checkpoint(1, np.zeros(3, np.float32), aggregate=rule_state(running)))
+
+    resumed = RunState(build_config(aggregate="centered-clip:1:nnm"), RunFolder(tmp_path), np.zeros(3, np.float32))
+    np.testing.assert_array_equal(rule_state(resumed.aggregator)["centre"], rule_state(running)["centre"])
+    expected = running(round_2)
+    np.testing.assert_array_equal(resumed.aggregator(round_2), expected)
+    fresh = make_aggregator(parse_aggregate("centered-clip:1:nnm"))(round_2)
+    assert np.abs(fresh - expected).max() > 1e-3, (fresh, expected)
+
+
+def test_a_rule_that_keeps_no_state_refuses_one() -> None:
+    assert rule_state(make_aggregator(parse_aggregate("median"))) == {}
+    assert rule_state(make_aggregator(parse_aggregate("centered-clip:1"))) == {}  # no round yet
+    restore_rule(make_aggregator(parse_aggregate("median")), {})
+    with pytest.raises(ValueError, match="this rule keeps none"):
+        restore_rule(make_aggregator(parse_aggregate("trimmed-mean:0.1:nnm")), {"centre": np.zeros(3)})
+    with pytest.raises(ValueError, match="this rule keeps none"):
+        restore_rule(None, {"centre": np.zeros(3)})  # the mean
