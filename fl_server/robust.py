@@ -36,6 +36,7 @@ from functools import partial
 import numpy as np
 
 from contract.flower import aggregate_krum, aggregate_median, aggregate_trimmed_avg
+from strategies.fedavg import CheckpointError
 from strategies.rounds import Aggregator
 from strategies.spec import MIXING, Spec
 from strategies.validation import l2_norm
@@ -60,7 +61,9 @@ def restore_rule(rule: Aggregator | None, state: dict[str, np.ndarray]) -> None:
     if isinstance(rule, (CenteredClip, Mixed)):
         rule.restore(state)
     elif state:
-        raise ValueError(f"the checkpoint holds an aggregation rule's state ({', '.join(state)}); this rule keeps none")
+        raise CheckpointError(
+            f"the checkpoint holds an aggregation rule's state ({', '.join(state)}); this rule keeps none"
+        )
 
 
 def _rule(spec: Spec) -> Aggregator | None:

@@ -14,6 +14,7 @@ from contract.settings import build_config
 from fl_server.engine import RunState
 from fl_server.robust import CC_ITERATIONS, make_aggregator, nearest_neighbour_mixing, restore_rule, rule_state
 from strategies.codecs import make_client_codec, parse_codec
+from strategies.fedavg import CheckpointError
 from strategies.rounds import RoundEngine, Update
 from strategies.spec import SpecError, parse_aggregate
 
@@ -180,7 +181,7 @@ def test_a_rule_that_keeps_no_state_refuses_one() -> None:
     assert rule_state(make_aggregator(parse_aggregate("median"))) == {}
     assert rule_state(make_aggregator(parse_aggregate("centered-clip:1"))) == {}  # no round yet
     restore_rule(make_aggregator(parse_aggregate("median")), {})
-    with pytest.raises(ValueError, match="this rule keeps none"):
+    with pytest.raises(CheckpointError, match="this rule keeps none"):
         restore_rule(make_aggregator(parse_aggregate("trimmed-mean:0.1:nnm")), {"centre": np.zeros(3)})
-    with pytest.raises(ValueError, match="this rule keeps none"):
+    with pytest.raises(CheckpointError, match="this rule keeps none"):
         restore_rule(None, {"centre": np.zeros(3)})  # the mean
