@@ -8,7 +8,8 @@ behaviour. Each row is a wait in Flower's own code that a message round trip pay
 | SuperNode, waiting for the reply and its objects     | 0.5 s                    | 5 ms (REPLY_POLL_S)            |
 | (``_push_messages``; its own memory, no request)     |                          |                                |
 | ``pull_objects``, an object still uploading (a reply | 1 s, doubling to 10 s,   | 10 ms, doubling to 50 ms, for  |
-| is listed before its upload completes)               | 500 tries or 2 h         | 60 s at most (PULL_MAX_S)      |
+| is listed before its upload completes)               | 500 tries or 2 h         | 60 s at most (PULL_MAX_S), ~10 |
+|                                                      |                          | s for a node paced (UploadPace)|
 | objects pulled or pushed in parallel                 | min(2, cores)            | 8 (CONCURRENCY)                |
 | a pooled connection kept while idle (httpx, in       | 5 s                      | 60 s (KEEPALIVE_S)             |
 | ``ProtobufClient``: SuperNode and ServerApp)         |                          |                                |
@@ -38,7 +39,7 @@ their code differs it serializes the whole message, as Flower does.
 The ServerApp pulls its replies through ``pull_replies``: Flower's ``HttpGrid.pull_messages`` takes every reply
 the SuperLink lists, pulls their objects one reply after another and returns them all at once, so a reply whose
 upload has stalled (a device that lost its link mid-upload) holds every reply listed with it for as long as its
-own objects are waited for (``PULL_MAX_S``). ``pull_replies`` makes the same calls with the replies of different
+own objects are waited for (``PULL_MAX_S``; a node with uploads behind it: ``UploadPace``). ``pull_replies`` makes the same calls with the replies of different
 nodes pulled side by side, and gives each reply as soon as its own objects are in (one node's in their order);
 where ``PULL_SOURCE`` differs, or the grid is not Flower's ``HttpGrid``, or Flower runs stock, it is the grid's
 own ``pull_messages``. A reply whose object tree is not an edgefl reply's shape (more than ``REPLY_OBJECTS``) is not
@@ -47,6 +48,7 @@ pulled at all: it comes as the client's error, and its receipt is confirmed so t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -83,6 +85,8 @@ RETRY_BACKOFF_S = (0.01, 0.05)  # first retry, then doubling up to the cap: a do
 PULL_MAX_S = 60.0  # a reply whose upload has not completed 60 s after it was listed is given up as lost (stock: the
 # SuperLink's 180 s upload session); our largest message over the slowest profile (iot-uplink, 0.25 Mbit/s up)
 # uploads in well under that. The pull waiting on it runs beside the server's loop (fl_server.engine.ReplyPuller).
+PULL_MIN_S, PACE_FACTOR, PACE_WINDOW = 10.0, 4.0, 8  # a node with uploads behind it: its next reply is given
+# PACE_FACTOR × the slowest of its last PACE_WINDOW to come whole, at least PULL_MIN_S (UploadPace)
 CONCURRENCY = 8  # requests waiting on the network, not CPU work: a message has 3 objects each way
 BULK_PATHS = ("/push-object", "/pull-object")  # the Fleet API requests that carry objects: own pools (BulkApart)
 REPLY_OBJECTS = 3  # Flower objects of an edgefl reply whatever it carries (the message, its RecordDict, one
@@ -510,7 +514,37 @@ def _pull_source_differs() -> str | None:
     return _why_differs(PULL_SOURCE, "pulls replies by")
 
 
-def pull_replies(grid: Grid, message_ids: list[str]) -> Iterator[Message]:
+class UploadPace:
+    """How long a node's reply may take to come whole once it is listed. Its first replies: ``PULL_MAX_S``. Then
+    ``PACE_FACTOR`` × the slowest of its last ``PACE_WINDOW`` (at least ``PULL_MIN_S``), doubled for each reply
+    given up on since its last one came (at most ``PULL_MAX_S``): a reply the gateway refused (413) or whose device
+    went quiet mid-upload holds its round ~10 s instead of 60 s, and an honest reply larger than the node's usual
+    (a resend of several updates) is given longer each time it is asked again."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, collections.deque[float]] = {}
+        self._given_up: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def allowed_s(self, node_id: int) -> float:
+        with self._lock:
+            seconds = self._seconds.get(node_id)
+            if not seconds:
+                return PULL_MAX_S
+            paced = max(PULL_MIN_S, PACE_FACTOR * max(seconds)) * 2 ** self._given_up.get(node_id, 0)
+            return min(PULL_MAX_S, paced)
+
+    def came(self, node_id: int, seconds: float) -> None:
+        with self._lock:
+            self._seconds.setdefault(node_id, collections.deque(maxlen=PACE_WINDOW)).append(seconds)
+            self._given_up.pop(node_id, None)
+
+    def gave_up(self, node_id: int) -> None:
+        with self._lock:
+            self._given_up[node_id] = self._given_up.get(node_id, 0) + 1
+
+
+def pull_replies(grid: Grid, message_ids: list[str], pace: UploadPace | None = None) -> Iterator[Message]:
     """The replies the SuperLink lists for ``message_ids``, each as soon as its own objects are in (``pull_listed``,
     through the grid's Runtime API client); elsewhere (module docstring) the grid's own ``pull_messages``."""
     from contract.flower import HttpGrid
@@ -518,15 +552,19 @@ def pull_replies(grid: Grid, message_ids: list[str]) -> Iterator[Message]:
     if why_pulled_whole() is not None or type(grid) is not HttpGrid:
         yield from grid.pull_messages(message_ids)
         return
-    yield from pull_listed(grid._runtime_client, grid.node, grid._run.run_id, message_ids)
+    yield from pull_listed(grid._runtime_client, grid.node, grid._run.run_id, message_ids, pace)
 
 
-def pull_listed(client: Any, node: Any, run_id: int, message_ids: list[str]) -> Iterator[Message]:
+def pull_listed(
+    client: Any, node: Any, run_id: int, message_ids: list[str], pace: UploadPace | None = None
+) -> Iterator[Message]:
     """Flower's ``HttpGrid.pull_messages`` call by call over the Runtime API ``client`` (the list, each reply's
     objects, its receipt confirmed), with the replies of different nodes pulled side by side: each is given once
     its own objects are in and one node's replies in the order they were listed, as Flower's grid gives them (the
     server's bookkeeping of what a node holds follows its replies in order). A reply whose objects cannot be had
-    within ``PULL_MAX_S`` comes as Flower's "message unavailable" error reply."""
+    within the time ``pace`` allows its node (``PULL_MAX_S`` without one) comes as Flower's "message unavailable"
+    error reply."""
+    pace = pace or UploadPace()
     import httpx
 
     from contract.flower import PullAppMessagesRequest
@@ -543,14 +581,14 @@ def pull_listed(client: Any, node: Any, run_id: int, message_ids: list[str]) -> 
     for reply in replies:
         by_node.setdefault(reply[0].metadata.src_node_id, []).append(reply)
     if len(by_node) <= 1:  # most polls: nothing, or one node's replies
-        yield from (_pull_reply(client, node, run_id, *reply) for reply in replies)
+        yield from (_pull_reply(client, node, run_id, *reply, pace) for reply in replies)
         return
     pulled: queue.SimpleQueue[Message | BaseException] = queue.SimpleQueue()
 
     def pull_in_order(node_replies: list[tuple[Any, Any]]) -> None:
         try:
             for reply in node_replies:
-                pulled.put(_pull_reply(client, node, run_id, *reply))
+                pulled.put(_pull_reply(client, node, run_id, *reply, pace))
         except BaseException as exc:  # raised where the replies are taken
             pulled.put(exc)
 
@@ -564,9 +602,9 @@ def pull_listed(client: Any, node: Any, run_id: int, message_ids: list[str]) -> 
             yield item
 
 
-def _pull_reply(client: Any, node: Any, run_id: int, proto: Any, tree: Any) -> Message:
+def _pull_reply(client: Any, node: Any, run_id: int, proto: Any, tree: Any, pace: UploadPace) -> Message:
     """One listed reply, as ``HttpGrid.pull_messages`` brings each: its objects, its receipt confirmed, the message
-    inflated with its id; or Flower's error reply when its objects cannot be had."""
+    inflated with its id; or Flower's error reply when its objects cannot be had within what ``pace`` allows."""
     from flwr.app import Error, Metadata
 
     from contract.flower import (
@@ -595,13 +633,17 @@ def _pull_reply(client: Any, node: Any, run_id: int, proto: Any, tree: Any) -> M
         )
         reason = f"edgefl: the reply lists {len(object_ids)} objects, an edgefl reply {REPLY_OBJECTS}: not pulled"
         return make_message(metadata=metadata, error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason))
+    source, started = proto.metadata.src_node_id, time.monotonic()
+    allowed = pace.allowed_s(source)
     try:
         pull_object = make_pull_object_fn_protobuf(pull_object_protobuf=client.PullObject, node=node, run_id=run_id)
-        contents = inflatable_utils.pull_objects(object_ids=object_ids, pull_object_fn=pull_object)
+        contents = inflatable_utils.pull_objects(object_ids=object_ids, pull_object_fn=pull_object, max_time=allowed)
     except ObjectPullError as exc:
+        pace.gave_up(source)
         expired = "The sender may not have completed the upload before the object-push session expired."
-        reason = f"{UNDELIVERED} {expired} {exc}"  # Flower's words
+        reason = f"{UNDELIVERED} {expired} {exc} (waited {allowed:.0f} s)"  # Flower's words, then ours
         return make_message(metadata=metadata, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=reason))
+    pace.came(source, time.monotonic() - started)
     client.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=node, run_id=run_id, message_object_id=message_id))
     message = inflate_object_from_contents(message_id, contents)
     set_message_id(message, message_id)

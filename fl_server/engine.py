@@ -63,7 +63,7 @@ from contract.run_folder import (
     truncate_rounds,
 )
 from contract.settings import RunConfig
-from contract.transport import FAST, STOCK, UNDELIVERED, pull_replies
+from contract.transport import FAST, STOCK, UNDELIVERED, UploadPace, pull_replies
 from contract.uploads import posted, reply_bytes_at_most
 from contract.wire import WireError, WireSize, error_reason, parse_reply, reply_key, train_message, wire_size
 from fl_server.membership import Membership, PushRefused, RoundStuck
@@ -336,7 +336,8 @@ class ReplyPuller:
 
     Flower's SuperLink lists a reply once its message is pushed, before its objects have all arrived, and forgets
     the message it answers; the call that took the reply then waits for its objects — up to ``PULL_MAX_S`` when
-    the device froze or lost its link mid-upload. Meanwhile the loop goes on closing rounds at their deadlines,
+    the device froze, lost its link mid-upload or had its upload refused, ~10 s for a node whose uploads came before
+    (``contract.transport.UploadPace``, ``pace``). Meanwhile the loop goes on closing rounds at their deadlines,
     and once every running call is ``PULL_STALLED_S`` old another starts beside them and takes the other replies;
     another node's reply listed with the stalled one comes as soon as its own objects are in
     (``contract.transport.pull_replies`` pulls different nodes' replies side by side). To a call beside an older
@@ -348,6 +349,7 @@ class ReplyPuller:
     def __init__(self, grid: Grid, calls: int = PULL_CALLS) -> None:
         self.grid = grid
         self.calls = calls
+        self.pace = UploadPace()  # how long each node's next reply may take to come whole
         self._started: dict[int, float] = {}  # running calls: thread id → start
         self._lock = threading.Lock()
         self._pulled: queue.SimpleQueue[Pulled | BaseException] = queue.SimpleQueue()
@@ -390,7 +392,7 @@ class ReplyPuller:
     def _pull(self, message_ids: list[str], beside_older: bool) -> None:
         brought = False
         try:
-            for reply in pull_replies(self.grid, message_ids):
+            for reply in pull_replies(self.grid, message_ids, self.pace):
                 if beside_older and reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:
                     continue  # an older call may hold it
                 self._pulled.put(Pulled(reply, parsed_reply(reply), wire_size(reply), time.monotonic()))

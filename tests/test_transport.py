@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.app.message import remove_content_from_message
 from flwr.app.metadata import Metadata
@@ -31,8 +32,9 @@ from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
 from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullAppMessagesResponse  # pylint: disable=E0611
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
 
+from contract import transport
 from contract.flower import set_message_id
-from contract.transport import IDLE_POLL_S, BulkApart, pull_listed, pull_replies, why_pulled_whole
+from contract.transport import IDLE_POLL_S, BulkApart, UploadPace, pull_listed, pull_replies, why_pulled_whole
 from tests.conftest import REPO
 
 
@@ -383,6 +385,47 @@ def test_a_reply_listed_with_a_stalled_upload_comes_as_soon_as_its_own_objects_a
     assert next(replies, None) is None
     runtime.replies = []  # most polls: nothing listed
     assert list(pull_listed(runtime, Node(node_id=0), 1, ["a"])) == []
+
+
+def test_a_node_with_uploads_behind_it_is_waited_for_by_its_own_pace() -> None:
+    """First replies: PULL_MAX_S. Then PACE_FACTOR × its slowest recent upload, at least PULL_MIN_S; doubled for each
+    reply given up on since the last that came (a resend larger than usual is given longer each time), at most
+    PULL_MAX_S; a reply that comes starts the doubling again. Nodes apart."""
+    pace = UploadPace()
+    assert pace.allowed_s(1) == transport.PULL_MAX_S
+    pace.came(1, 0.5)
+    assert pace.allowed_s(1) == transport.PULL_MIN_S and pace.allowed_s(2) == transport.PULL_MAX_S
+    pace.came(1, 4.0)
+    assert pace.allowed_s(1) == transport.PACE_FACTOR * 4.0
+    pace.gave_up(1)
+    assert pace.allowed_s(1) == 2 * transport.PACE_FACTOR * 4.0
+    pace.gave_up(1)
+    assert pace.allowed_s(1) == transport.PULL_MAX_S
+    pace.came(1, 1.0)
+    assert pace.allowed_s(1) == transport.PACE_FACTOR * 4.0  # the slowest of the last PACE_WINDOW still counts
+    for _ in range(transport.PACE_WINDOW):
+        pace.came(1, 1.0)
+    assert pace.allowed_s(1) == transport.PULL_MIN_S
+
+
+def test_a_stalled_upload_of_a_paced_node_is_given_up_on_at_its_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose uploads came within a fraction of a second, then a reply whose objects never come (the gateway
+    refused them: 413): it comes as Flower's "message unavailable" error after the node's pace, not PULL_MAX_S, and
+    the other node's reply as soon as its objects are in."""
+    monkeypatch.setattr(transport, "PULL_MIN_S", 0.3)
+    stalled, other = _reply(1, 1.0), _reply(2, 2.0)
+    runtime = _StalledUpload([stalled, other], stalled)
+    pace = UploadPace()
+    pace.came(1, 0.01)
+    started = time.monotonic()
+    pulled = {r.metadata.reply_to_message_id: r for r in pull_listed(runtime, Node(node_id=0), 1, ["a"], pace)}
+    waited = time.monotonic() - started
+    assert 0.3 <= waited < transport.PULL_MAX_S / 4, waited
+    given_up, came = pulled[stalled[0].metadata.reply_to_message_id], pulled[other[0].metadata.reply_to_message_id]
+    assert given_up.has_error() and given_up.error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    assert "(waited 0 s)" in given_up.error.reason, given_up.error.reason
+    assert not came.has_error()
+    assert pace.allowed_s(1) == 2 * 0.3 and pace.allowed_s(2) == transport.PULL_MIN_S  # node 2's reply came
 
 
 def test_a_reply_of_more_objects_than_edgefls_is_refused_before_any_is_pulled() -> None:
