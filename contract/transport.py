@@ -39,11 +39,12 @@ their code differs it serializes the whole message, as Flower does.
 The ServerApp pulls its replies through ``pull_replies``: Flower's ``HttpGrid.pull_messages`` takes every reply
 the SuperLink lists, pulls their objects one reply after another and returns them all at once, so a reply whose
 upload has stalled (a device that lost its link mid-upload) holds every reply listed with it for as long as its
-own objects are waited for (``PULL_MAX_S``; a node with uploads behind it: ``UploadPace``). ``pull_replies`` makes the same calls with the replies of different
-nodes pulled side by side, and gives each reply as soon as its own objects are in (one node's in their order);
-where ``PULL_SOURCE`` differs, or the grid is not Flower's ``HttpGrid``, or Flower runs stock, it is the grid's
-own ``pull_messages``. A reply whose object tree is not an edgefl reply's shape (more than ``REPLY_OBJECTS``) is not
-pulled at all: it comes as the client's error, and its receipt is confirmed so that the SuperLink lets it go.
+own objects are waited for (``PULL_MAX_S``). ``pull_replies`` makes the same calls with the replies of different
+nodes pulled side by side, gives each reply as soon as its own objects are in (one node's in their order), and waits
+for a node's objects only as long as its own uploads have taken (``UploadPace``); where ``PULL_SOURCE`` differs, or
+the grid is not Flower's ``HttpGrid``, or Flower runs stock, it is the grid's own ``pull_messages``. A reply whose
+object tree is not an edgefl reply's shape (more than ``REPLY_OBJECTS``) is not pulled at all: it comes as the
+client's error, and its receipt is confirmed so that the SuperLink lets it go.
 """
 
 from __future__ import annotations
