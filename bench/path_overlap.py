@@ -1,0 +1,122 @@
+"""Where a message's path goes, and what a device's other message in flight costs it, from a deployed run's own
+records: each training message's way down (the server pushed it → the device's agent claimed it) and way up (the
+agent handed its reply to the SuperNode → the server had it), split by whether the same device's other message was
+moving the other way meanwhile (its reply going up while this model came down, or the next model coming down while
+this reply went up). Under FedAvg a device has one message at a time; under DGA its reply of round r goes up while
+round r + 1's model comes down, so on a long link both directions of its connection carry data at once.
+
+    python bench/path_overlap.py RUN_DIR [RUN_DIR ...] [--out runs/bench-path-overlap]
+
+The times are the host's monotonic clock on both ends (``messages.jsonl``'s ``sent_at`` and ``round_trip_s``, the
+agents' "served task" lines: ``claimed``, ``pushed``): a run of the namespaced testbed, where server and devices
+share the host. A message's path (``path_s``) is its way down plus its way up plus the agent's hand-overs (tens of
+milliseconds). result.json: per run folder, per direction (``down``, ``up``), ``overlapped`` and ``alone`` each
+with ``count`` and ``median_s``, and ``path_median_s``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from results import write_result
+
+from contract.run_folder import MESSAGES, read_rounds
+
+SERVED = re.compile(r"served task (\{.*\})")  # edge's TaskServer: one line per message it served (fl_client.tasks)
+
+
+@dataclass(frozen=True)
+class Trip:
+    """One message of one device, on the host's monotonic clock."""
+
+    partition: int
+    sent: float  # the server pushed it
+    claimed: float  # the device's agent had it
+    pushed: float  # the agent handed its reply to the SuperNode
+    back: float  # the server had the reply
+    trained: bool
+    path_s: float
+
+
+def trips(run: Path) -> list[Trip]:
+    """The run's messages that its agents served, joined with what the server recorded of them."""
+    served: dict[str, dict[str, float]] = {}
+    for log in sorted((run / "logs").glob("agent-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if found := SERVED.search(line):
+                record = json.loads(found.group(1))
+                served[record["message_id"]] = record
+    joined = []
+    for m in read_rounds(run, MESSAGES):
+        if (s := served.get(m["message_id"])) is not None and m.get("round_trip_s") is not None:
+            back = m["sent_at"] + m["round_trip_s"]
+            joined.append(Trip(m["partition"], m["sent_at"], s["claimed"], s["pushed"], back, m["train_s"] > 0,
+                               m["path_s"]))  # fmt: skip
+    return joined
+
+
+def split(run_trips: list[Trip]) -> dict[str, object]:
+    """Per direction, the training messages' seconds with the device's other message moving the other way meanwhile
+    (``overlapped``) and without (``alone``); and their median path."""
+    seconds: dict[str, dict[str, list[float]]] = {d: {"overlapped": [], "alone": []} for d in ("down", "up")}
+    trained = [t for t in run_trips if t.trained]
+    for t in trained:
+        others = [o for o in run_trips if o.partition == t.partition and o is not t]
+        down_shared = any(o.pushed < t.claimed and o.back > t.sent for o in others)
+        up_shared = any(o.sent < t.back and o.claimed > t.pushed for o in others)
+        seconds["down"]["overlapped" if down_shared else "alone"].append(t.claimed - t.sent)
+        seconds["up"]["overlapped" if up_shared else "alone"].append(t.back - t.pushed)
+    figures: dict[str, object] = {
+        direction: {
+            kind: {"count": len(v), "median_s": statistics.median(v) if v else None} for kind, v in kinds.items()
+        }
+        for direction, kinds in seconds.items()
+    }
+    figures["path_median_s"] = statistics.median(t.path_s for t in trained) if trained else None
+    return figures
+
+
+def _summary(seconds: list[float]) -> dict[str, float | int | None]:
+    return {"count": len(seconds), "median_s": statistics.median(seconds) if seconds else None}
+
+
+def _cell(figures: dict, direction: str, kind: str) -> str:
+    part = figures[direction][kind]
+    return "—" if part["median_s"] is None else f"{part['median_s']:.2f} s ({part['count']})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-path-overlap"))
+    args = parser.parse_args()
+    rows, figures = [], {}
+    for run in args.runs:
+        found = trips(run) if (run / MESSAGES).exists() else []
+        if not any(t.trained for t in found):
+            print(f"error: {run} has no training message served by an agent whose log says so (a deployed run's folder "
+                  "with logs/agent-*.log and messages.jsonl)", file=sys.stderr)  # fmt: skip
+            return 2
+        figures[str(run)] = part = split(found)
+        rows.append(f"| {run} | {part['path_median_s']:.2f} s | {_cell(part, 'down', 'alone')} | "
+                    f"{_cell(part, 'down', 'overlapped')} | {_cell(part, 'up', 'alone')} | "
+                    f"{_cell(part, 'up', 'overlapped')} |")  # fmt: skip
+    text = "\n".join([
+        "Training messages' way down (server push → agent) and way up (agent → server), median seconds (messages), "
+        "alone or while the same device's other message moved the other way:",
+        "",
+        "| run | path | down, alone | down, beside an upload | up, alone | up, beside a download |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ])  # fmt: skip
+    write_result(args.out, text, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
