@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from results import write_result
+from results import table_text, write_result
 
 from contract.run_folder import read_rounds
 
@@ -100,16 +100,11 @@ def main() -> int:
         per_device = ", ".join(f"{address} {count}" for address, count in sorted(opened.items()))
         rows.append(f"| {run} | {rounds} | {min(opened.values())}–{max(opened.values())} | {per_device} | "
                     f"{_bulk_cell(bulk, 'up')} | {_bulk_cell(bulk, 'down')} |")  # fmt: skip
-    text = "\n".join([
-        "Connections each device opened to the gateway over the run (its first request on each), and its updates up "
-        f"and models down (objects over {BULK_BYTES:,} bytes): the first of their direction on their connection "
-        "(cold) and the others (warm), with the median seconds nginx took for each:",
-        "",
-        "| run | rounds | connections a device | per device | updates up | models down |",
-        "|---|---|---|---|---|---|",
-        *rows,
-    ])  # fmt: skip
-    write_result(args.out, text, figures)
+    intro = ("Connections each device opened to the gateway over the run (its first request on each), and its "
+             f"updates up and models down (objects over {BULK_BYTES:,} bytes): the first of their direction on their "
+             "connection (cold) and the others (warm), with the median seconds nginx took for each:")  # fmt: skip
+    columns = ["run", "rounds", "connections a device", "per device", "updates up", "models down"]
+    write_result(args.out, table_text(intro, columns, rows), figures)
     return 0
 
 

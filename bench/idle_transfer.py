@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from results import write_result
+from results import table_text, write_result
 
 from edgefl.processes import interrupt_on_signals
 from netem.profiles import Link, LinkError, resolve_links
@@ -79,15 +79,10 @@ def main() -> int:
             "first_s": first, "after_3s_idle_median_s": median, "after_3s_idle_max_s": worst,
         }  # fmt: skip
         rows.append(f"| {setting} | {first:.2f} | {median:.2f} | {worst:.2f} |")
-    text = "\n".join([
-        f"{args.bytes} bytes up and back down over {args.profile}, one TCP connection, this host's congestion "
-        f"control ({_congestion_control()}):",
-        "",
-        "| tcp_slow_start_after_idle | first transfer s | after 3 s idle: median s | after 3 s idle: max s |",
-        "|---|---|---|---|",
-        *rows,
-    ])  # fmt: skip
-    write_result(args.out, text, figures)
+    intro = (f"{args.bytes} bytes up and back down over {args.profile}, one TCP connection, this host's congestion "
+             f"control ({_congestion_control()}):")  # fmt: skip
+    columns = ["tcp_slow_start_after_idle", "first transfer s", "after 3 s idle: median s", "after 3 s idle: max s"]
+    write_result(args.out, table_text(intro, columns, rows), figures)
     return 0
 
 

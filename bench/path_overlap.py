@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from results import write_result
+from results import table_text, write_result
 
 from contract.run_folder import MESSAGES, read_rounds
 
@@ -106,15 +106,10 @@ def main() -> int:
         rows.append(f"| {run} | {part['path_median_s']:.2f} s | {_cell(part, 'down', 'alone')} | "
                     f"{_cell(part, 'down', 'overlapped')} | {_cell(part, 'up', 'alone')} | "
                     f"{_cell(part, 'up', 'overlapped')} |")  # fmt: skip
-    text = "\n".join([
-        "Training messages' way down (server push → agent) and way up (agent → server), median seconds (messages), "
-        "alone or while the same device's other message moved the other way:",
-        "",
-        "| run | path | down, alone | down, beside an upload | up, alone | up, beside a download |",
-        "|---|---|---|---|---|---|",
-        *rows,
-    ])  # fmt: skip
-    write_result(args.out, text, figures)
+    intro = ("Training messages' way down (server push → agent) and way up (agent → server), median seconds "
+             "(messages), alone or while the same device's other message moved the other way:")  # fmt: skip
+    columns = ["run", "path", "down, alone", "down, beside an upload", "up, alone", "up, beside a download"]
+    write_result(args.out, table_text(intro, columns, rows), figures)
     return 0
 
 

@@ -30,6 +30,11 @@ def print_row_done(name: str, accuracy: list[float], started: float) -> None:
     print(f"{name}: final {accuracy[-1]:.4f} best {max(accuracy):.4f} ({time.monotonic() - started:.0f} s)", flush=True)
 
 
+def table_text(intro: str, columns: list[str], rows: list[str]) -> str:
+    """A result's text: ``intro``, then a markdown table of ``columns`` over ``rows`` (each a ``| ... |`` line)."""
+    return "\n".join([intro, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows])
+
+
 def write_result(out: Path, text: str, figures: dict[str, Any]) -> None:
     """Write ``text`` to OUT/result.md and print it; ``figures`` (the headline numbers) to OUT/result.json."""
     out.mkdir(parents=True, exist_ok=True)
