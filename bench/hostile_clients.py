@@ -271,9 +271,11 @@ class Stranger(threading.Thread):
         """``slow_connections`` held open on the gateway for SLOW_HOLD_S from each address at once (stopped early
         when the run ends); ``slow``: the span all of them held theirs, and their counts summed."""
         argv = [sys.executable, "-c", SLOW, host, str(port), str(ca), str(self.slow_connections), str(SLOW_HOLD_S)]
-        procs = [subprocess.Popen([*prefix, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for prefix in self.prefixes]  # fmt: skip
+        procs: list[subprocess.Popen[str]] = []
         try:
+            for prefix in self.prefixes:
+                procs.append(subprocess.Popen([*prefix, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True))  # fmt: skip
             while any(proc.poll() is None for proc in procs):
                 if self.halt.wait(0.5):
                     for proc in procs:
