@@ -3,7 +3,11 @@ records: each training message's way down (the server pushed it → the device's
 agent handed its reply to the SuperNode → the server had it), split by whether the same device's other message was
 moving the other way meanwhile (its reply going up while this model came down, or the next model coming down while
 this reply went up). Under FedAvg a device has one message at a time; under DGA its reply of round r goes up while
-round r + 1's model comes down, so on a long link both directions of its connection carry data at once.
+round r + 1's model comes down, so on a long link both directions of its connection carry data at once. A model
+that comes down beside an upload may also have been pushed before the device handed over the reply going up: while
+its agent holds every message the server keeps at it, the device takes no other (``ClientJob.most_held``), so the
+model waits at the SuperLink until then — ``after_handover_median_s`` is its way down counted from the later of its
+push and that hand-over, ``waited_median_s`` how long before the hand-over it was pushed.
 
     python bench/path_overlap.py RUN_DIR [RUN_DIR ...] [--out runs/bench-path-overlap]
 
@@ -11,7 +15,8 @@ The times are the host's monotonic clock on both ends (``messages.jsonl``'s ``se
 agents' "served task" lines: ``claimed``, ``pushed``): a run of the namespaced testbed, where server and devices
 share the host. A message's path (``path_s``) is its way down plus its way up plus the agent's hand-overs (tens of
 milliseconds). result.json: per run folder, per direction (``down``, ``up``), ``overlapped`` and ``alone`` each
-with ``count`` and ``median_s``, and ``path_median_s``."""
+with ``count`` and ``median_s`` (``down``'s ``overlapped`` also ``after_handover_median_s`` and
+``waited_median_s``), and ``path_median_s``."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from results import table_text, write_result
 
@@ -60,23 +66,28 @@ def trips(run: Path) -> list[Trip]:
     return joined
 
 
-def split(run_trips: list[Trip]) -> dict[str, object]:
+def split(run_trips: list[Trip]) -> dict[str, Any]:
     """Per direction, the training messages' seconds with the device's other message moving the other way meanwhile
-    (``overlapped``) and without (``alone``); and their median path."""
+    (``overlapped``) and without (``alone``); for a way down beside an upload, also from the later of its push and
+    the upload's hand-over; and their median path."""
     seconds: dict[str, dict[str, list[float]]] = {d: {"overlapped": [], "alone": []} for d in ("down", "up")}
+    after_handover, waited = [], []
     trained = [t for t in run_trips if t.trained]
     for t in trained:
         others = [o for o in run_trips if o.partition == t.partition and o is not t]
-        down_shared = any(o.pushed < t.claimed and o.back > t.sent for o in others)
+        uploads = [o for o in others if o.pushed < t.claimed and o.back > t.sent]
         up_shared = any(o.sent < t.back and o.claimed > t.pushed for o in others)
-        seconds["down"]["overlapped" if down_shared else "alone"].append(t.claimed - t.sent)
+        seconds["down"]["overlapped" if uploads else "alone"].append(t.claimed - t.sent)
         seconds["up"]["overlapped" if up_shared else "alone"].append(t.back - t.pushed)
-    figures: dict[str, object] = {
-        direction: {
-            kind: {"count": len(v), "median_s": statistics.median(v) if v else None} for kind, v in kinds.items()
-        }
-        for direction, kinds in seconds.items()
+        if uploads:
+            handover = max(o.pushed for o in uploads)
+            after_handover.append(t.claimed - max(t.sent, handover))
+            waited.append(max(0.0, handover - t.sent))
+    figures: dict[str, Any] = {
+        direction: {kind: _summary(v) for kind, v in kinds.items()} for direction, kinds in seconds.items()
     }
+    figures["down"]["overlapped"]["after_handover_median_s"] = statistics.median(after_handover) if waited else None
+    figures["down"]["overlapped"]["waited_median_s"] = statistics.median(waited) if waited else None
     figures["path_median_s"] = statistics.median(t.path_s for t in trained) if trained else None
     return figures
 
@@ -103,12 +114,19 @@ def main() -> int:
                   "with logs/agent-*.log and messages.jsonl)", file=sys.stderr)  # fmt: skip
             return 2
         figures[str(run)] = part = split(found)
+        beside = part["down"]["overlapped"]
+        handed = (
+            "—"
+            if beside["waited_median_s"] is None
+            else (f"{beside['after_handover_median_s']:.2f} s (pushed {beside['waited_median_s']:.2f} s before)")
+        )
         rows.append(f"| {run} | {part['path_median_s']:.2f} s | {_cell(part, 'down', 'alone')} | "
-                    f"{_cell(part, 'down', 'overlapped')} | {_cell(part, 'up', 'alone')} | "
+                    f"{_cell(part, 'down', 'overlapped')} | {handed} | {_cell(part, 'up', 'alone')} | "
                     f"{_cell(part, 'up', 'overlapped')} |")  # fmt: skip
     intro = ("Training messages' way down (server push → agent) and way up (agent → server), median seconds "
              "(messages), alone or while the same device's other message moved the other way:")  # fmt: skip
-    columns = ["run", "path", "down, alone", "down, beside an upload", "up, alone", "up, beside a download"]
+    columns = ["run", "path", "down, alone", "down, beside an upload", "the same from the later of its push and the "
+               "upload's hand-over", "up, alone", "up, beside a download"]  # fmt: skip
     write_result(args.out, table_text(intro, columns, rows), figures)
     return 0
 

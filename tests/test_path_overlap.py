@@ -29,18 +29,20 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_way_beside_the_devices_other_message_is_counted_apart(tmp_path: Path) -> None:
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
-    # a: down 0 → 1, trains, up 5 → 6; b: down 5.5 → 7 (beside a's upload), trains, up 10 → 11 (alone)
-    rows = [_message("a", 0.0, 6.0, 4.0), _message("b", 5.5, 11.0, 3.0), _message("idle", 20.0, 20.5, 0.0)]
+    # a: down 0 → 1, trains, up 5 → 6; b: pushed at 4.5, before a's reply was handed over (5), down → 7 (beside
+    # a's upload), trains, up 10 → 11 (alone)
+    rows = [_message("a", 0.0, 6.0, 4.0), _message("b", 4.5, 11.0, 3.0), _message("idle", 20.0, 20.5, 0.0)]
     (run / "messages.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (run / "logs" / "agent-0.log").write_text(_served("a", 1.0, 5.0) + _served("b", 7.0, 10.0) + "other line\n")
     done = _bench(str(run), "--out", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     figures = json.loads((tmp_path / "out" / "result.json").read_text())[str(run)]
     assert figures["down"]["alone"] == {"count": 1, "median_s": 1.0}
-    assert figures["down"]["overlapped"] == {"count": 1, "median_s": 1.5}
+    assert figures["down"]["overlapped"] == {"count": 1, "median_s": 2.5, "after_handover_median_s": 2.0,
+                                             "waited_median_s": 0.5}  # fmt: skip
     assert figures["up"]["overlapped"] == {"count": 1, "median_s": 1.0}  # a's reply, while b's model came down
     assert figures["up"]["alone"] == {"count": 1, "median_s": 1.0}
-    assert figures["path_median_s"] == 2.25  # (2.0 + 2.5) / 2: the idle message carried no training
+    assert figures["path_median_s"] == 2.75  # (2.0 + 3.5) / 2: the idle message carried no training
 
 
 def test_a_folder_without_served_messages_is_one_line_and_exit_2(tmp_path: Path) -> None:
