@@ -454,31 +454,42 @@ def _apply(signals: NodeSignals) -> None:
 def _kept_alive(init: Callable[..., None]) -> Callable[..., None]:
     """Flower's ``ProtobufClient.__init__`` (``TUNED_SOURCE``: it makes ``httpx.Client(verify=verify,
     timeout=timeout, follow_redirects=True)``), then the same client on ``BulkApart``'s pools, each httpx's default
-    but that it keeps idle connections ``KEEPALIVE_S``."""
+    but that it keeps idle connections ``KEEPALIVE_S`` (objects on pools of one connection each: ``WarmLanes``)."""
 
     @functools.wraps(init)
     def kept_alive(self: Any, base_url: str, *, verify: Any = True, timeout: float = 30.0, **rest: Any) -> None:
         init(self, base_url, verify=verify, timeout=timeout, **rest)
         self._client.close()
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S)
-        transport = BulkApart(lambda: httpx.HTTPTransport(verify=verify, limits=limits))
+        one = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_S)
+        transport = BulkApart(
+            lambda: httpx.HTTPTransport(verify=verify, limits=limits),
+            lambda: httpx.HTTPTransport(verify=verify, limits=one),
+        )
         self._client = httpx.Client(timeout=timeout, follow_redirects=True, transport=transport)
 
     return kept_alive
 
 
 class BulkApart(httpx.BaseTransport):
-    """An httpx transport that sends objects up, objects down and every other request each on a pool of its own
-    connections (``BULK_PATHS``), so a connection that carries a model carries models the same way every round.
+    """An httpx transport that sends objects up, objects down and every other request each on connections of their
+    own (``BULK_PATHS``), so a connection that carries a model carries models the same way every round; each object
+    goes on the idle connection of its kind that has carried the most bytes its way (``WarmLanes``).
 
-    TCP's congestion window is a connection's and a direction's: a connection that last carried an update up, or
-    only small requests, starts a model down at the initial window and ramps up over round trips (BBR's start-up
-    like cubic's slow start: ~5 round trips for 0.4 MB, 1.1 s over a 300 ms link). httpx's one pool hands a request
-    the oldest idle connection; with DGA's two messages in flight an update goes up while the next model comes down,
-    and both landed on connections cold in their direction: DGA's path was 1.5-1.7x FedAvg's over long-distance."""
+    TCP's windows are a connection's and a direction's: a connection that last carried an update up, or only small
+    requests, starts a model down at the initial window and ramps up over round trips (BBR's start-up like cubic's
+    slow start: ~5 round trips for 0.4 MB, 1.1 s over a 300 ms link), and the receiver's window grows the same way
+    (``tcp_rmem``'s autotuning doubles it each round trip that fills it). httpx's one pool hands a request the oldest
+    idle connection; with DGA's two messages in flight an update goes up while the next model comes down, and both
+    landed on connections cold in their direction: DGA's path was 1.5-1.7x FedAvg's over long-distance."""
 
-    def __init__(self, make_pool: Callable[[], httpx.BaseTransport]) -> None:
-        self.pools = {kind: make_pool() for kind in (*BULK_PATHS, "")}
+    def __init__(
+        self, make_pool: Callable[[], httpx.BaseTransport], make_lane: Callable[[], httpx.BaseTransport]
+    ) -> None:
+        self.pools: dict[str, httpx.BaseTransport] = {
+            kind: WarmLanes(make_lane, down=kind == "/pull-object") for kind in BULK_PATHS
+        }
+        self.pools[""] = make_pool()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         kind = next((kind for kind in BULK_PATHS if request.url.path.endswith(kind)), "")
@@ -487,6 +498,95 @@ class BulkApart(httpx.BaseTransport):
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
+
+
+class _Lane:
+    """One connection of a ``WarmLanes`` (an httpx pool of one), and the bytes it carried its way while open."""
+
+    def __init__(self, pool: httpx.BaseTransport) -> None:
+        self.pool = pool
+        self.carried = 0
+        self.busy = False
+        self.last_used = 0.0
+
+
+class WarmLanes(httpx.BaseTransport):
+    """Connections of one kind (objects down, or objects up), each an httpx pool of one; a request goes on the idle
+    one that has carried the most bytes its way (``down``: response bodies, else request bodies), a new one when
+    none is idle. A connection's windows grow with what it carries, so the model of a message pulled as three
+    objects at once, or pulled again after the SuperLink said it was not there yet, goes where the last model went
+    instead of where the oldest idle connection is. A connection idle past ``KEEPALIVE_S`` has been closed: it
+    counts as new."""
+
+    def __init__(
+        self, make_lane: Callable[[], httpx.BaseTransport], down: bool, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._make_lane, self._down, self._clock = make_lane, down, clock
+        self._lanes: list[_Lane] = []
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        lane = self._take()
+        try:
+            response = lane.pool.handle_request(request)
+        except BaseException:
+            self._give_back(lane, 0)
+            raise
+        sent = 0 if self._down else int(request.headers.get("content-length", 0))
+        if response.is_closed:  # a response made whole from bytes: nothing left to read on the connection
+            self._give_back(lane, sent + (len(response.content) if self._down else 0))
+        else:
+            response.stream = _CountedStream(
+                response.stream, lambda received: self._give_back(lane, sent + (received if self._down else 0))
+            )
+        return response
+
+    def _take(self) -> _Lane:
+        with self._lock:
+            now = self._clock()
+            idle = [lane for lane in self._lanes if not lane.busy]
+            for lane in idle:
+                if now - lane.last_used > KEEPALIVE_S:
+                    lane.carried = 0
+            if idle:
+                lane = max(idle, key=lambda lane: lane.carried)
+            else:
+                lane = _Lane(self._make_lane())
+                self._lanes.append(lane)
+            lane.busy = True
+            return lane
+
+    def _give_back(self, lane: _Lane, carried: int) -> None:
+        with self._lock:
+            lane.carried += carried
+            lane.busy, lane.last_used = False, self._clock()
+
+    def close(self) -> None:
+        with self._lock:
+            lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            lane.pool.close()
+
+
+class _CountedStream(httpx.SyncByteStream):
+    """A response body that counts its bytes as they are read and reports them once, when it is closed."""
+
+    def __init__(self, stream: Any, done: Callable[[int], None]) -> None:
+        self._stream, self._done = stream, done
+        self._read, self._closed = 0, False
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._stream:
+            self._read += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        finally:
+            if not self._closed:
+                self._closed = True
+                self._done(self._read)
 
 
 def tune(signals: NodeSignals | None = None) -> str:

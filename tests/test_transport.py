@@ -4,12 +4,14 @@ the SuperNode and the ServerApp do, so this process's Flower stays stock."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -34,7 +36,16 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, 
 
 from contract import transport
 from contract.flower import set_message_id
-from contract.transport import IDLE_POLL_S, BulkApart, UploadPace, pull_listed, pull_replies, why_pulled_whole
+from contract.transport import (
+    IDLE_POLL_S,
+    KEEPALIVE_S,
+    BulkApart,
+    UploadPace,
+    WarmLanes,
+    pull_listed,
+    pull_replies,
+    why_pulled_whole,
+)
 from tests.conftest import REPO
 
 
@@ -64,12 +75,14 @@ def test_tune_changes_flowers_waits() -> None:
         pull = objects.pull_objects.__kwdefaults__
         print(loop.time is time, pull["initial_backoff"], pull["max_time"], objects.get_num_workers(8))
         client = ProtobufClient("http://127.0.0.1:9", interceptors=("x",), timeout=7.0)  # httpx's own pools below
-        pools = client._client._transport.pools.values()
-        print(*{pool._pool._keepalive_expiry for pool in pools}, len(pools), client._client.timeout.read)
+        pools = client._client._transport.pools
+        connections = [pools[""], *(pools[kind]._make_lane() for kind in ("/push-object", "/pull-object"))]
+        print(*{pool._pool._keepalive_expiry for pool in connections}, len(pools), client._client.timeout.read)
+        print(*(pool._pool._max_connections for pool in connections))
         print(client._interceptors)
     """)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["fast", "False", "0.01", "60.0", "8", "60.0", "3", "7.0", "('x',)"]
+    assert done.stdout.split() == ["fast", "False", "0.01", "60.0", "8", "60.0", "3", "7.0", "100", "1", "1", "('x',)"]
 
 
 def test_objects_up_objects_down_and_the_rest_each_go_on_a_pool_of_their_own() -> None:
@@ -81,14 +94,71 @@ def test_objects_up_objects_down_and_the_rest_each_go_on_a_pool_of_their_own() -
         made.append(seen)
         return httpx.MockTransport(lambda request: seen.append(request.url.path) or httpx.Response(200))
 
-    with httpx.Client(transport=BulkApart(pool)) as client:
+    with httpx.Client(transport=BulkApart(pool, pool)) as client:
         for path in ("push-object", "pull-object", "pull-messages", "push-object", "push-messages", "pull-object"):
             client.post(f"https://server:9092/api/v0/fleet/{path}")
-    assert made == [
-        ["/api/v0/fleet/push-object"] * 2,
-        ["/api/v0/fleet/pull-object"] * 2,
+    assert sorted(made) == [
         ["/api/v0/fleet/pull-messages", "/api/v0/fleet/push-messages"],
+        ["/api/v0/fleet/pull-object"] * 2,
+        ["/api/v0/fleet/push-object"] * 2,
     ]
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.body
+
+
+def _lanes(
+    size: Callable[[httpx.Request], int], clock: Callable[[], float] = time.monotonic
+) -> tuple[httpx.Client, list[list[int]]]:
+    """A client on a ``WarmLanes`` of mock connections that answer each request with ``size(request)`` bytes, and
+    per connection (in the order they were opened) the sizes it carried."""
+    carried: list[list[int]] = []
+
+    def lane() -> httpx.MockTransport:
+        mine: list[int] = []
+        carried.append(mine)
+
+        def answer(request: httpx.Request) -> httpx.Response:
+            mine.append(size(request))
+            return httpx.Response(200, stream=_Body(b"x" * size(request)))  # read as it is used, as a socket's
+
+        return httpx.MockTransport(answer)
+
+    return httpx.Client(transport=WarmLanes(lane, down=True, clock=clock)), carried
+
+
+def test_an_object_down_goes_on_the_idle_connection_that_carried_the_most_down() -> None:
+    """A message's three objects pulled at once take three connections, its model (1 MB) the second. The next
+    message's objects one at a time (as a pull retried after the SuperLink had not got the object yet) go where the
+    model went, not on the oldest idle connection."""
+    client, carried = _lanes(lambda request: int(request.url.path.rsplit("/", 1)[1]))
+    with contextlib.ExitStack() as held:  # the three in flight at once, as parallel pulls are
+        streams = [held.enter_context(client.stream("POST", f"https://s/pull-object/{n}")) for n in (300, 10**6, 500)]
+        for stream in streams:
+            stream.read()
+    for size in (500, 10**6, 300):
+        client.post(f"https://s/pull-object/{size}")
+    assert carried == [[300], [10**6, 500, 10**6, 300], [500]]
+
+
+def test_a_connection_carries_one_request_at_a_time_and_is_new_again_past_the_keep_alive() -> None:
+    """Two requests in flight at once never share a connection (a pool of one would make the second wait); once
+    the first's body is read its connection is idle again, and one idle past ``KEEPALIVE_S`` counts as new."""
+    now = [0.0]
+    client, carried = _lanes(lambda request: int(request.url.path.rsplit("/", 1)[1]), clock=lambda: now[0])
+    with client.stream("POST", "https://s/pull-object/10") as first:
+        client.post("https://s/pull-object/20")  # while the first's body is unread
+        first.read()
+    client.post("https://s/pull-object/30")
+    assert carried == [[10], [20, 30]]  # the one that carried more
+    now[0] += KEEPALIVE_S + 1  # both closed by their pools meanwhile: the oldest idle one, as httpx would
+    client.post("https://s/pull-object/5")
+    assert carried == [[10, 5], [20, 30]]
 
 
 def test_code_that_differs_falls_back_to_stock_flower_with_one_line() -> None:
