@@ -12,19 +12,22 @@ SuperNode and agent are sampled and their samples sorted by what they were doing
 
 Then each case's FedAvg against DGA over each of its links (``CASES``: the main job's, ``edgefl compare``'s settings
 over home-wifi and long-distance with D = 2, and the headline's, ``bench/dga_vs_fedavg.py``'s over lan and
-long-distance with D = 4; ``--link-rounds`` rounds each): the median message path R of each (``messages.jsonl``), a
+long-distance with D = 4; ``--link-rounds`` rounds each, ``--repeats`` pairs of runs per link, which of the two
+goes first alternating): the median message path R of each (``messages.jsonl``), a
 round's training T, DGA's path over FedAvg's, and DGA's rounds per second over FedAvg's (from the third round on)
 against what the link allows, min(1 + R/T, D + 1) with FedAvg's R and T, and beside it each run's rounds counted
 in its own T (``compare_case``).
 
-    python bench/message_cost.py [--rounds 12] [--link-rounds 10] [--cases main,headline] [--cost-only]
-        [--out runs/bench-message-cost]
+    python bench/message_cost.py [--rounds 12] [--link-rounds 10] [--repeats 3] [--cases main,headline]
+        [--cost-only] [--out runs/bench-message-cost]
 
 result.json: ``pi_core_s_per_cycle`` (both messaging cores, steady state, the median over devices),
 ``host_core_s_per_cycle``, ``whole_run`` (the same over the whole run), ``per_process`` (SuperNode and agent),
 ``profile`` (py-spy's shares, where it ran), and per case and link (``cases``) ``fedavg_path_s``, ``dga_path_s``,
-``dga_path_ratio``, ``round_train_s``, ``dga_speedup_per_round``, ``allowed_speedup``, ``dga_round_efficiency``;
-``targets``: each aim and whether it is met.
+``dga_path_ratio``, ``round_train_s``, ``dga_speedup_per_round``, ``allowed_speedup``, ``dga_round_efficiency``
+(each the mean over the repeats; ``dga_path_ratio_ci`` and ``dga_round_efficiency_ci`` as [mean, low, high], the
+95 % interval; ``repeats``: each pair's figures); ``targets``: each aim, judged on the mean, and whether it is met.
+A run's folder is ``OUT/CASE/LINK/REPEAT/STRATEGY``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES
 from edgefl.compare import DEFAULTS as MAIN_JOB
 from edgefl.launcher import run
 from edgefl.processes import interrupt_on_signals
-from edgefl.report import load_run
+from edgefl.report import load_run, mean_interval
 
 SAMPLE_S = 0.2
 HOST_EVERY_S = 2.0
@@ -72,6 +75,7 @@ CASES = {  # name -> (settings, DGA, links)
 }
 SKIPPED = 2  # a device's first messages (its first contact with the run), and a run's first rounds: fixed costs
 AIM_PI_CORE_S, AIM_PATH_RATIO, AIM_EFFICIENCY = 0.3, 1.2, 0.9
+JUDGED = ("dga_path_ratio", "dga_round_efficiency")  # per link: the mean over repeats, with its interval
 
 
 class Sampler(abc.ABC):
@@ -215,11 +219,13 @@ def main() -> int:
     parser.add_argument("--link-rounds", type=int, default=10, help="each link comparison's runs' rounds")
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-message-cost"))
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of runs (FedAvg, DGA) over each link")
     parser.add_argument("--cost-only", action="store_true", help="only the message cycle's CPU, no link comparison")
     args = parser.parse_args()
     unknown = set(args.cases.split(",")) - set(CASES)
-    if unknown or args.rounds < SKIPPED + 2 or args.link_rounds < SKIPPED + 2:
-        parser.error(f"--cases of {', '.join(CASES)}; at least {SKIPPED + 2} rounds (unknown: {sorted(unknown)})")
+    if unknown or args.rounds < SKIPPED + 2 or args.link_rounds < SKIPPED + 2 or args.repeats < 1:
+        parser.error(f"--cases of {', '.join(CASES)}; at least {SKIPPED + 2} rounds and one repeat "
+                     f"(unknown: {sorted(unknown)})")  # fmt: skip
     interrupt_on_signals()
     profile = device_profile(SETTINGS["device_profile"])
     shares = profile.shares()
@@ -271,35 +277,51 @@ def main() -> int:
 
 
 def compare_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """FedAvg against the case's DGA over each of its links: their paths, T, and DGA's round efficiency — its rounds
-    per second over FedAvg's against min(1 + R/T, D + 1). Beside it the same counted in each run's own round training
-    T (``dga_round_efficiency_in_own_t``): not the judged one, since a T that differs between the two runs may be
+    """FedAvg against the case's DGA over each of its links, ``args.repeats`` times (the two in turns, which goes
+    first alternating): their paths, T, and DGA's round efficiency — its rounds per second over FedAvg's against
+    min(1 + R/T, D + 1); per link the mean of each over the repeats, with its 95 % interval (``_ci``) for the ratio
+    and the efficiency. Beside it the same counted in each run's own round training T
+    (``dga_round_efficiency_in_own_t``): not the judged one, since a T that differs between the two runs may be
     DGA's own cost as well as this host's drift (DGA's T came out 3-36 % longer in eleven pairs on one day)."""
     settings, dga, links = CASES[name]
-    delay = int(dga.split(":")[1])
     found: dict[str, Any] = {"dga": dga, "links": {}}
     for link in links:
-        runs = {}
-        for strategy in ("fedavg", dga):
-            out = args.out / name / link / strategy.replace(":", "-")
-            config = build_config(None, strategy=strategy, profile=link, rounds=args.link_rounds, out=str(out),
-                                  **{**settings, **NOT_TIMED})  # fmt: skip
-            print(f"== {name}: {strategy} over {link}", flush=True)
-            run(config, lambda line: print("   " + line, flush=True))
-            runs[strategy] = (load_run(out)[0], steady_round_s(out))
-        (fedavg, fedavg_round_s), (dga_run, dga_round_s) = runs["fedavg"], runs[dga]
-        r, t, dga_t = fedavg["message_path_s"], fedavg["round_train_s"], dga_run["round_train_s"]
-        allowed = min(1 + r / t, delay + 1)
-        speedup = fedavg_round_s / dga_round_s
-        in_own_t = (fedavg_round_s / t) / (dga_round_s / dga_t)  # each run's rounds in its own T
+        pairs = []
+        for repeat in range(1, args.repeats + 1):
+            order = ("fedavg", dga) if repeat % 2 else (dga, "fedavg")
+            runs = {}
+            for strategy in order:
+                out = args.out / name / link / str(repeat) / strategy.replace(":", "-")
+                config = build_config(None, strategy=strategy, profile=link, rounds=args.link_rounds, out=str(out),
+                                      **{**settings, **NOT_TIMED})  # fmt: skip
+                print(f"== {name}: {strategy} over {link} ({repeat} of {args.repeats})", flush=True)
+                run(config, lambda line: print("   " + line, flush=True))
+                runs[strategy] = (load_run(out)[0], steady_round_s(out))
+            pairs.append(compare_pair(runs["fedavg"], runs[dga], int(dga.split(":")[1])))
         found["links"][link] = {
-            "fedavg_path_s": r, "dga_path_s": dga_run["message_path_s"], "round_train_s": t,
-            "dga_round_train_s": dga_t, "dga_path_ratio": dga_run["message_path_s"] / r,
-            "fedavg_round_s": fedavg_round_s, "dga_round_s": dga_round_s, "dga_speedup_per_round": speedup,
-            "dga_speedup_in_own_t": in_own_t, "allowed_speedup": allowed, "dga_round_efficiency": speedup / allowed,
-            "dga_round_efficiency_in_own_t": in_own_t / allowed,
+            **{key: statistics.mean(p[key] for p in pairs) for key in pairs[0]},
+            **{f"{key}_ci": mean_interval([p[key] for p in pairs]) for key in JUDGED},
+            "repeats": pairs,
         }  # fmt: skip
     return found
+
+
+def compare_pair(
+    fedavg_run: tuple[dict[str, Any], float], dga_run: tuple[dict[str, Any], float], delay: int
+) -> dict[str, float]:
+    """One FedAvg run against one DGA run with delay ``delay``, each (summary, steady seconds a round)."""
+    (fedavg, fedavg_round_s), (dga, dga_round_s) = fedavg_run, dga_run
+    r, t, dga_t = fedavg["message_path_s"], fedavg["round_train_s"], dga["round_train_s"]
+    allowed = min(1 + r / t, delay + 1)
+    speedup = fedavg_round_s / dga_round_s
+    in_own_t = (fedavg_round_s / t) / (dga_round_s / dga_t)  # each run's rounds in its own T
+    return {
+        "fedavg_path_s": r, "dga_path_s": dga["message_path_s"], "round_train_s": t,
+        "dga_round_train_s": dga_t, "dga_path_ratio": dga["message_path_s"] / r,
+        "fedavg_round_s": fedavg_round_s, "dga_round_s": dga_round_s, "dga_speedup_per_round": speedup,
+        "dga_speedup_in_own_t": in_own_t, "allowed_speedup": allowed, "dga_round_efficiency": speedup / allowed,
+        "dga_round_efficiency_in_own_t": in_own_t / allowed,
+    }  # fmt: skip
 
 
 def steady_round_s(run_dir: Path) -> float:
@@ -315,13 +337,16 @@ def targets(result: dict[str, Any]) -> dict[str, tuple[bool, str]]:
                                                                                         f"{pi:.3f} s")}  # fmt: skip
     for name, case in result["cases"].items():
         for link, v in case["links"].items():
-            found[f"{name}, {link}: DGA's path at most {AIM_PATH_RATIO}x FedAvg's"] = (
-                v["dga_path_ratio"] <= AIM_PATH_RATIO,
-                f"{v['dga_path_ratio']:.2f}x",
-            )
-            found[f"{name}, {link}: DGA's rounds at least {AIM_EFFICIENCY} of what the link allows"] = (
-                v["dga_round_efficiency"] >= AIM_EFFICIENCY, f"{v['dga_round_efficiency']:.2f}")  # fmt: skip
+            found[f"{name}, {link}: DGA's path at most {AIM_PATH_RATIO}x FedAvg's (the mean)"] = (
+                v["dga_path_ratio"] <= AIM_PATH_RATIO, _with_interval(v["dga_path_ratio_ci"], "x"))  # fmt: skip
+            found[f"{name}, {link}: DGA's rounds at least {AIM_EFFICIENCY} of what the link allows (the mean)"] = (
+                v["dga_round_efficiency"] >= AIM_EFFICIENCY, _with_interval(v["dga_round_efficiency_ci"]))  # fmt: skip
     return found
+
+
+def _with_interval(ci: list[float], unit: str = "") -> str:
+    mean, low, high = ci
+    return f"{mean:.2f}{unit}" if low == high else f"{mean:.2f}{unit} [{low:.2f}, {high:.2f}]"
 
 
 def measured_run(config: Any, profile_out: Path | None = None) -> dict[str, Any]:
@@ -384,21 +409,34 @@ def _profile_first_device(cpu: RoleCpu, out: Path) -> dict[str, list[tuple[str, 
 def _case_lines(cases: dict[str, Any]) -> list[str]:
     if not cases:
         return []
+    rows = []
+    for name, case in cases.items():
+        for link, v in case["links"].items():
+            for repeat, p in enumerate(v["repeats"], 1):
+                rows.append(f"| {name} ({case['dga']}) | {link} | {repeat} | {_pair_cells(p)} |")
+            if len(v["repeats"]) > 1:
+                rows.append(f"| {name} ({case['dga']}) | {link} | mean | {_pair_cells(v)} |")
     return [
         "FedAvg against DGA on each case's links (R: the median message path; T: a round's training, FedAvg's / "
         "DGA's; rounds per second from the third round on, and in each run's own T; allowed: min(1 + R/T, D + 1) with "
-        "FedAvg's R and T; efficiency: DGA's rounds over FedAvg's, over what is allowed):",
+        "FedAvg's R and T; efficiency: DGA's rounds over FedAvg's, over what is allowed; each pair of runs a row, "
+        "then their mean; the aims below are judged on the mean, with its 95 % interval):",
         "",
-        "| case | link | FedAvg R s | DGA R s | DGA R / FedAvg R | T s | FedAvg s/round | DGA s/round | "
+        "| case | link | run | FedAvg R s | DGA R s | DGA R / FedAvg R | T s | FedAvg s/round | DGA s/round | "
         "DGA rounds/s over FedAvg's | in their own T | allowed | efficiency |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *(f"| {name} ({case['dga']}) | {link} | {v['fedavg_path_s']:.2f} | {v['dga_path_s']:.2f} | "
-          f"{v['dga_path_ratio']:.2f} | {v['round_train_s']:.2f} / {v['dga_round_train_s']:.2f} | "
-          f"{v['fedavg_round_s']:.2f} | {v['dga_round_s']:.2f} | {v['dga_speedup_per_round']:.2f}x | "
-          f"{v['dga_speedup_in_own_t']:.2f}x | {v['allowed_speedup']:.2f}x | {v['dga_round_efficiency']:.2f} |"
-          for name, case in cases.items() for link, v in case["links"].items()),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
         "",
-    ]  # fmt: skip
+    ]
+
+
+def _pair_cells(v: dict[str, Any]) -> str:
+    return (
+        f"{v['fedavg_path_s']:.2f} | {v['dga_path_s']:.2f} | {v['dga_path_ratio']:.2f} | "
+        f"{v['round_train_s']:.2f} / {v['dga_round_train_s']:.2f} | {v['fedavg_round_s']:.2f} | "
+        f"{v['dga_round_s']:.2f} | {v['dga_speedup_per_round']:.2f}x | {v['dga_speedup_in_own_t']:.2f}x | "
+        f"{v['allowed_speedup']:.2f}x | {v['dga_round_efficiency']:.2f}"
+    )
 
 
 def _profile_lines(profile: dict[str, list[tuple[str, float]]]) -> list[str]:
