@@ -4,10 +4,11 @@ agent handed its reply to the SuperNode → the server had it), split by whether
 moving the other way meanwhile (its reply going up while this model came down, or the next model coming down while
 this reply went up). Under FedAvg a device has one message at a time; under DGA its reply of round r goes up while
 round r + 1's model comes down, so on a long link both directions of its connection carry data at once. A model
-that comes down beside an upload may also have been pushed before the device handed over the reply going up: while
-its agent holds every message the server keeps at it, the device takes no other (``ClientJob.most_held``), so the
-model waits at the SuperLink until then — ``after_handover_median_s`` is its way down counted from the later of its
-push and that hand-over, ``waited_median_s`` how long before the hand-over it was pushed.
+that comes down beside an upload may also have been pushed before the device handed over the reply going up —
+``after_handover_median_s`` is its way down counted from the later of its push and that hand-over,
+``waited_median_s`` how long before the hand-over it was pushed — and ``held_at_push`` counts how many messages its
+agent held (claimed, reply not yet handed over) when it was pushed: an agent that holds every message the server
+keeps at it (``ClientJob.most_held``, ``most_held``) takes no other, so a model pushed then waits at the SuperLink.
 
     python bench/path_overlap.py RUN_DIR [RUN_DIR ...] [--out runs/bench-path-overlap]
 
@@ -15,12 +16,13 @@ The times are the host's monotonic clock on both ends (``messages.jsonl``'s ``se
 agents' "served task" lines: ``claimed``, ``pushed``): a run of the namespaced testbed, where server and devices
 share the host. A message's path (``path_s``) is its way down plus its way up plus the agent's hand-overs (tens of
 milliseconds). result.json: per run folder, per direction (``down``, ``up``), ``overlapped`` and ``alone`` each
-with ``count`` and ``median_s`` (``down``'s ``overlapped`` also ``after_handover_median_s`` and
-``waited_median_s``), and ``path_median_s``."""
+with ``count`` and ``median_s`` (``down``'s ``overlapped`` also ``after_handover_median_s``, ``waited_median_s``
+and ``held_at_push``: messages held → how many times), ``path_median_s`` and ``most_held``."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import statistics
@@ -31,7 +33,8 @@ from typing import Any
 
 from results import table_text, write_result
 
-from contract.run_folder import MESSAGES, read_rounds
+from contract.run_folder import CONFIG, MESSAGES, read_rounds
+from contract.settings import load_config
 
 SERVED = re.compile(r"served task (\{.*\})")  # edge's TaskServer: one line per message it served (fl_client.tasks)
 
@@ -71,7 +74,7 @@ def split(run_trips: list[Trip]) -> dict[str, Any]:
     (``overlapped``) and without (``alone``); for a way down beside an upload, also from the later of its push and
     the upload's hand-over; and their median path."""
     seconds: dict[str, dict[str, list[float]]] = {d: {"overlapped": [], "alone": []} for d in ("down", "up")}
-    after_handover, waited = [], []
+    after_handover, waited, held = [], [], collections.Counter()
     trained = [t for t in run_trips if t.trained]
     for t in trained:
         others = [o for o in run_trips if o.partition == t.partition and o is not t]
@@ -83,11 +86,13 @@ def split(run_trips: list[Trip]) -> dict[str, Any]:
             handover = max(o.pushed for o in uploads)
             after_handover.append(t.claimed - max(t.sent, handover))
             waited.append(max(0.0, handover - t.sent))
+            held[sum(1 for o in others if o.claimed <= t.sent < o.pushed)] += 1
     figures: dict[str, Any] = {
         direction: {kind: _summary(v) for kind, v in kinds.items()} for direction, kinds in seconds.items()
     }
     figures["down"]["overlapped"]["after_handover_median_s"] = statistics.median(after_handover) if waited else None
     figures["down"]["overlapped"]["waited_median_s"] = statistics.median(waited) if waited else None
+    figures["down"]["overlapped"]["held_at_push"] = {str(n): held[n] for n in sorted(held)}
     figures["path_median_s"] = statistics.median(t.path_s for t in trained) if trained else None
     return figures
 
@@ -114,7 +119,9 @@ def main() -> int:
                   "with logs/agent-*.log and messages.jsonl)", file=sys.stderr)  # fmt: skip
             return 2
         figures[str(run)] = part = split(found)
+        part["most_held"] = most = load_config(run / CONFIG).client_job().most_held
         beside = part["down"]["overlapped"]
+        holding = ", ".join(f"{n}: {count}" for n, count in beside["held_at_push"].items()) or "—"
         handed = (
             "—"
             if beside["waited_median_s"] is None
@@ -122,11 +129,12 @@ def main() -> int:
         )
         rows.append(f"| {run} | {part['path_median_s']:.2f} s | {_cell(part, 'down', 'alone')} | "
                     f"{_cell(part, 'down', 'overlapped')} | {handed} | {_cell(part, 'up', 'alone')} | "
-                    f"{_cell(part, 'up', 'overlapped')} |")  # fmt: skip
+                    f"{_cell(part, 'up', 'overlapped')} | {holding} (of {most}) |")  # fmt: skip
     intro = ("Training messages' way down (server push → agent) and way up (agent → server), median seconds "
              "(messages), alone or while the same device's other message moved the other way:")  # fmt: skip
     columns = ["run", "path", "down, alone", "down, beside an upload", "the same from the later of its push and the "
-               "upload's hand-over", "up, alone", "up, beside a download"]  # fmt: skip
+               "upload's hand-over", "up, alone", "up, beside a download",
+               "held at a model's push beside an upload: times (of the most the agent holds)"]  # fmt: skip
     write_result(args.out, table_text(intro, columns, rows), figures)
     return 0
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from contract.run_folder import CONFIG
+from contract.settings import build_config, save_config
 from tests.conftest import REPO
 
 
@@ -34,12 +36,14 @@ def test_a_way_beside_the_devices_other_message_is_counted_apart(tmp_path: Path)
     rows = [_message("a", 0.0, 6.0, 4.0), _message("b", 4.5, 11.0, 3.0), _message("idle", 20.0, 20.5, 0.0)]
     (run / "messages.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (run / "logs" / "agent-0.log").write_text(_served("a", 1.0, 5.0) + _served("b", 7.0, 10.0) + "other line\n")
+    save_config(build_config(None, strategy="dga:2", dataset="digits", clients=1), run / CONFIG)
     done = _bench(str(run), "--out", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     figures = json.loads((tmp_path / "out" / "result.json").read_text())[str(run)]
     assert figures["down"]["alone"] == {"count": 1, "median_s": 1.0}
     assert figures["down"]["overlapped"] == {"count": 1, "median_s": 2.5, "after_handover_median_s": 2.0,
-                                             "waited_median_s": 0.5}  # fmt: skip
+                                             "waited_median_s": 0.5, "held_at_push": {"1": 1}}  # fmt: skip
+    assert figures["most_held"] == 3  # DGA, every client every round: two in flight and a new global model
     assert figures["up"]["overlapped"] == {"count": 1, "median_s": 1.0}  # a's reply, while b's model came down
     assert figures["up"]["alone"] == {"count": 1, "median_s": 1.0}
     assert figures["path_median_s"] == 2.75  # (2.0 + 3.5) / 2: the idle message carried no training
