@@ -351,6 +351,7 @@ def summarize(config: dict[str, Any], rows: list[dict[str, Any]], trips: list[di
         "compress_down": config["compress_down"],
         "seed": config["seed"],
         "final_accuracy": accuracies[-1] if accuracies else None,
+        "eval_examples": evaluated[-1].get("eval_examples") if evaluated else None,  # test examples it was scored on
         "best_accuracy": max(accuracies) if accuracies else None,
         "final_loss": evaluated[-1]["test_loss"] if evaluated else None,
         "wall_clock_s": wall,

@@ -187,6 +187,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from edgefl.compare import DEFAULT_PROFILES, DEFAULT_STRATEGIES, DEFAULTS, compare, estimates
 
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be at least 1, got {args.seeds}")
     base = config_from_args(args, DEFAULTS)
     names = (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",")
     strategies = [build_config_from({**base.as_dict(), "strategy": name}).strategy for name in names]  # each checked
@@ -195,7 +197,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if base.federation == "local":
         for line in estimates(base, profiles):
             print(line, flush=True)
-    text, plots = compare(base, strategies, profiles)
+    text, plots = compare(base, strategies, profiles, seeds=args.seeds)
     print(text)
     print(f"report: {Path(base.out) / 'report.md'}  plots: {', '.join(str(p) for p in plots)}")
     return 0
@@ -225,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(p, several_profiles=True)
     p.add_argument("--strategies", help="comma-separated, e.g. fedavg,dga:4,fedprox:0.01,scaffold (default "
                    "fedavg,dga:2)")  # fmt: skip
+    p.add_argument("--seeds", type=int, default=1,
+                   help="seeds each strategy runs over, from --seed on: means, 95%% intervals (default 1)")  # fmt: skip
     p.add_argument("--out", help="report folder (default runs/compare)")
     p.set_defaults(func=cmd_compare)
 

@@ -1,6 +1,7 @@
 """``edgefl compare``: several strategies on identical data, partitions, seeds and links, one after another
 on the same machine, then one report — a markdown table per link profile (speedup against the first
-strategy) and accuracy plots against wall-clock time and rounds, one line per strategy.
+strategy) and accuracy plots against wall-clock time and rounds, one line per strategy. With ``--seeds N`` each
+strategy runs over N seeds, and the table gives each figure's mean with its 95 % interval, the plots a band.
 
 edgefl's runs over one link profile share one local federation — SuperLink, SuperNodes and edge agents start
 once, as a real fleet's do, and each run is submitted to it in turn (its processes' logs are in OUT/PROFILE/logs);
@@ -16,10 +17,11 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from contract.settings import RunConfig
 from edgefl.launcher import app_for, local_federation, run, run_on
-from edgefl.report import load_run, plot_runs, regime_line, regime_text, table
+from edgefl.report import gap_lines, load_run, plot_runs, plot_seeds, regime_line, regime_text, seeds_table, table
 
 DEFAULT_STRATEGIES = ("fedavg", "dga:2")
 DEFAULT_PROFILES = ("home-wifi", "long-distance")
@@ -65,36 +67,53 @@ def estimates(base: RunConfig, profiles: list[str]) -> list[str]:
 
 
 def compare(
-    base: RunConfig, strategies: list[str], profiles: list[str], progress: Callable[[str], None] = print
+    base: RunConfig,
+    strategies: list[str],
+    profiles: list[str],
+    progress: Callable[[str], None] = print,
+    seeds: int = 1,
 ) -> tuple[str, list[Path]]:
+    """Every strategy over every profile, for ``seeds`` seeds from ``base.seed`` on (run folders
+    ``OUT/PROFILE/STRATEGY``, with several seeds ``OUT/PROFILE/STRATEGY/seed-S``); per profile a table of the runs,
+    and with one seed each run's accuracy gap to the first with the evaluation's standard error (``gap_lines``),
+    with several the means over seeds with their 95 % intervals (``seeds_table``) and plots with bands."""
     out = Path(base.out)
     sections, plots = [], []
-    total, done = len(strategies) * len(profiles), 0
+    total, done = len(strategies) * len(profiles) * seeds, 0
     for profile in profiles:
-        configs = [
-            dataclasses.replace(base, strategy=strategy, profile=profile, out=str(run_dir_for(out, profile, strategy)))
-            for strategy in strategies
-        ]
-        runs = []
+        runs: dict[str, list[tuple[dict[str, Any], list[dict[str, Any]]]]] = {strategy: [] for strategy in strategies}
         with contextlib.ExitStack() as stack:
             shared = None  # edgefl's runs over one link share a local federation: its devices start once
-            for config in configs:
-                done += 1
-                progress(f"[{done}/{total}] {config.strategy} over {profile}")
-                if config.federation != "local" or app_for(config) != "edgefl":
-                    run_dir = run(config, progress)
-                else:
-                    if shared is None:
-                        home = out / profile.replace(",", "+")
-                        shared = stack.enter_context(local_federation(config, home, progress))
-                    run_dir = run_on(shared, config, progress)
-                runs.append(load_run(run_dir))
-                progress(regime_line(runs[-1][0]))
+            for seed in range(base.seed, base.seed + seeds):
+                for strategy in strategies:
+                    folder = run_dir_for(out, profile, strategy)
+                    folder = folder if seeds == 1 else folder / f"seed-{seed}"
+                    config = dataclasses.replace(base, strategy=strategy, profile=profile, seed=seed, out=str(folder))
+                    done += 1
+                    progress(f"[{done}/{total}] {config.strategy} over {profile}, seed {seed}")
+                    if config.federation != "local" or app_for(config) != "edgefl":
+                        run_dir = run(config, progress)
+                    else:
+                        if shared is None:
+                            home = out / profile.replace(",", "+")
+                            shared = stack.enter_context(local_federation(config, home, progress))
+                        run_dir = run_on(shared, config, progress)
+                    runs[strategy].append(load_run(run_dir))
+                    progress(regime_line(runs[strategy][-1][0]))
         plot_dir = out / profile.replace(",", "+")
         title = f"{base.dataset} {base.partition}, {base.clients} clients, {profile}"
-        plots += plot_runs(runs, plot_dir, title)
-        regimes = "\n".join(f"- {regime_line(summary)}" for summary, _ in runs)
-        sections.append(f"### {profile}\n\n{table([summary for summary, _ in runs])}\n\n{regimes}\n")
+        groups = list(runs.values())
+        summaries = [summary for group in groups for summary, _ in group]
+        regimes = "\n".join(f"- {regime_line(summary)}" for summary in summaries)
+        if seeds == 1:
+            plots += plot_runs([group[0] for group in groups], plot_dir, title)
+            gaps = "\n".join(gap_lines(summaries))
+            sections.append(f"### {profile}\n\n{table(summaries)}\n\n{gaps}\n\n{regimes}\n")
+        else:
+            plots += plot_seeds(groups, plot_dir, f"{title}, {seeds} seeds")
+            means = seeds_table([[summary for summary, _ in group] for group in groups])
+            sections.append(f"### {profile}, {seeds} seeds\n\n{means}\n\nEach run:\n\n{table(summaries)}\n\n"
+                            f"{regimes}\n")  # fmt: skip
     text = "\n".join(sections)
     (out / "report.md").write_text(text)
     return text, plots

@@ -81,21 +81,48 @@ def plot_runs(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path
             points = [(x, r["test_accuracy"]) for x, r in zip(x_values(rows), rows, strict=True)]
             points = [(x, accuracy) for x, accuracy in points if accuracy is not None]  # evaluated (--eval-every)
             ax.plot(*zip(*points, strict=True), marker=".", label=name)
-        if file_name == PLOT_BYTES:
-            ax.set_xscale("log")
-        target = runs[0][0].get("target_accuracy")
-        if target:
-            ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
-        ax.set_xlabel(x_label)
-        ax.set_ylabel("test accuracy")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        path = out / file_name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(
+            _save(fig, ax, out / file_name, x_label, "test accuracy", title, runs[0][0].get("target_accuracy"))
+        )
+    return paths
+
+
+def _save(fig: Any, ax: Any, path: Path, x_label: str, y_label: str, title: str, target: float | None) -> Path:
+    """An accuracy plot's axes, target line and legend, written to ``path`` (a log x for bytes)."""
+    if path.name == PLOT_BYTES:
+        ax.set_xscale("log")
+    if target:
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_seeds(groups: list[list[tuple[dict[str, Any], list[dict[str, Any]]]]], out: Path, title: str) -> list[Path]:
+    """Like ``plot_runs`` for runs over several seeds (``groups[i]``: one strategy's runs): one line per strategy,
+    the mean accuracy over its seeds at each evaluated round, in a band of its 95 % interval; x is the round, the
+    mean wall-clock time or the mean bytes by then. Returns the PNG paths."""
+    paths = []
+    for x_values, x_label, file_name in X_AXES:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for runs in groups:
+            rounds = min(len(rows) for _, rows in runs)
+            at = [i for i in range(rounds) if all(rows[i]["test_accuracy"] is not None for _, rows in runs)]
+            if not at:
+                continue
+            per_run = [x_values(rows) for _, rows in runs]
+            xs = [sum(x[i] for x in per_run) / len(runs) for i in at]
+            bands = [mean_interval([rows[i]["test_accuracy"] for _, rows in runs]) for i in at]
+            line = ax.plot(xs, [b[0] for b in bands], marker=".", label=f"{label(runs[0][0])} ({len(runs)} seeds)")
+            ax.fill_between(xs, [b[1] for b in bands], [b[2] for b in bands], color=line[0].get_color(), alpha=0.2)
+        target = groups[0][0][0].get("target_accuracy")
+        paths.append(_save(fig, ax, out / file_name, x_label, "test accuracy (mean, 95 % interval)", title, target))
     return paths
 
 
@@ -140,6 +167,66 @@ def table(summaries: list[dict[str, Any]]) -> str:
             f"| {_fmt(mb_to_target, '.3f')} | {_times(to_target)} | {_times(bytes_to_target)} | {_times(per_round)} |"
         )
     return "\n".join(lines)
+
+
+def accuracy_gap(base: dict[str, Any], other: dict[str, Any]) -> tuple[float, float] | None:
+    """``other``'s final accuracy less ``base``'s, in points, and the standard error of that gap from the evaluation
+    alone: each accuracy a proportion of its ``eval_examples`` test examples (binomial), the two taken as
+    independent, sqrt(p₁(1 − p₁)/n₁ + p₂(1 − p₂)/n₂). The runs score the same examples, so this overstates the
+    evaluation's part; a seed's training noise is not in it (``edgefl compare --seeds``). None without both."""
+    p1, p2 = base.get("final_accuracy"), other.get("final_accuracy")
+    n1, n2 = base.get("eval_examples"), other.get("eval_examples")
+    if p1 is None or p2 is None or not n1 or not n2:
+        return None
+    return 100 * (p2 - p1), 100 * (p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2) ** 0.5
+
+
+def gap_lines(summaries: list[dict[str, Any]]) -> list[str]:
+    """For one seed: each run's final accuracy against the first's, with the evaluation's standard error of the gap
+    (``accuracy_gap``) and whether the gap is within two of it."""
+    lines = []
+    for s in summaries[1:]:
+        found = accuracy_gap(summaries[0], s)
+        if found is None:
+            continue
+        gap, se = found
+        verdict = "within 2 SE: this one seed does not tell them apart" if abs(gap) <= 2 * se else "beyond 2 SE"
+        lines.append(f"- {label(s)} against {label(summaries[0])}: final accuracy {gap:+.2f} points, the evaluation's "
+                     f"standard error {se:.2f} points ({s['eval_examples']} test examples): {verdict}")  # fmt: skip
+    return lines
+
+
+def seeds_table(groups: list[list[dict[str, Any]]]) -> str:
+    """A markdown table of runs over several seeds, one row per strategy (``groups[i]``: its summaries, one per seed,
+    in the same seed order for every strategy): each figure the mean over seeds with its 95 % interval; the gap and
+    the speedups are against the first strategy's run of the same seed, time and speedup to target over the seeds
+    where both reached it."""
+    head = ("| strategy | link | seeds | final acc | gap (points) | time to target (s) | reached target "
+            "| speedup to target | speedup per round |")  # fmt: skip
+    lines = [head, "|" + "---|" * 9]
+    first = groups[0]
+    for runs in groups:
+        pairs = list(zip(first, runs, strict=True))
+        to_target = [ratio(b, r, "time_to_target_s") for b, r in pairs]
+        cells = [
+            _interval([r["final_accuracy"] for r in runs], ".4f"),
+            _interval([None if (g := accuracy_gap(b, r)) is None else g[0] for b, r in pairs], "+.2f"),
+            _interval([r["time_to_target_s"] for r in runs if r.get("time_to_target_s") is not None], ".1f"),
+            f"{sum(r.get('time_to_target_s') is not None for r in runs)} of {len(runs)}",
+            _interval([x for x in to_target if x is not None], ".2f", "x"),
+            _interval([ratio(b, r, "seconds_per_round") for b, r in pairs], ".2f", "x"),
+        ]
+        lines.append(f"| {label(runs[0])} | {runs[0]['link_profile']} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _interval(values: list[Any], spec: str, unit: str = "") -> str:
+    if not values or any(v is None for v in values):
+        return "—"
+    mean, low, high = mean_interval(values)
+    if len(values) == 1:
+        return f"{format(mean, spec)}{unit}"
+    return f"{format(mean, spec)}{unit} [{format(low, spec)}, {format(high, spec)}]"
 
 
 def regime_line(summary: dict[str, Any]) -> str:

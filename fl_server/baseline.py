@@ -138,6 +138,7 @@ def run_baseline(grid: Grid, config: RunConfig, folder: RunFolder) -> None:
                 "wall_s": wall,
                 "test_loss": loss,
                 "test_accuracy": accuracy,
+                "eval_examples": len(test[1]) if accuracy is not None else 0,
                 "bytes_up": up,
                 "bytes_down": down,
                 "clients": clients,

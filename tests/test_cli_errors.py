@@ -71,3 +71,8 @@ def test_a_missing_submitter_certificate_is_refused_before_anything_starts(
     remote = ["--federation", "remote", "--server", "127.0.0.1:9", "--root-cert", str(root)]
     args = [*BASE, *remote, "--submitter-cert", str(missing)]
     _fails_cleanly(args, f"{missing} does not exist", run_dir, edgefl_main)
+
+
+def test_compare_over_no_seeds(edgefl_main) -> None:
+    done = edgefl_main("compare", "--seeds", "0")
+    assert done.returncode == 2 and done.stderr.strip() == "edgefl: error: --seeds must be at least 1, got 0"

@@ -218,3 +218,26 @@ def test_flower_processes_find_this_pythons_scripts_without_an_activated_venv(
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     found = shutil.which("flower-superexec", path=flower_env(tmp_path)["PATH"])
     assert found == str(Path(sys.executable).parent / "flower-superexec")
+
+
+def test_compare_over_two_seeds_runs_each_strategy_per_seed_on_one_federation_and_tables_the_means(
+    run_dir: Path,
+) -> None:
+    """``edgefl compare --seeds 2``: FedAvg and DGA each over seeds 3 and 4 on one local federation (each run's
+    folder ``STRATEGY/seed-S``, its seed in its summary); the report's table has one row per strategy with the means
+    over the two seeds and a row per run beneath, and the plots a band."""
+    done = edgefl("compare", *FAST, "--rounds", "2", "--profile", "lan", "--strategies", "fedavg,dga:1",
+                  "--seeds", "2", "--device-profile", "laptop", "--out", str(run_dir))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for strategy in ("fedavg", "dga-1"):
+        for seed in (3, 4):
+            summary = json.loads((run_dir / "lan" / strategy / f"seed-{seed}" / "summary.json").read_text())
+            assert summary["seed"] == seed and summary["rounds"] == 2 and summary["eval_examples"] > 0
+    means, runs = (run_dir / "report.md").read_text().split("Each run:")
+    assert means.startswith("### lan, 2 seeds\n\n| strategy | link | seeds | final acc | gap (points) |")
+    mean_rows = [line for line in means.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row.split(" | ")[:3] for row in mean_rows] == [["| fedavg", "lan", "2"], ["| dga:1", "lan", "2"]]
+    assert mean_rows[0].split(" | ")[4] == "+0.00 [+0.00, +0.00]"  # FedAvg's gap to itself, seed by seed
+    run_rows = [line for line in runs.splitlines() if line.startswith("| fedavg") or line.startswith("| dga:1")]
+    assert len(run_rows) == 4
+    assert (run_dir / "lan" / "accuracy_vs_rounds.png").stat().st_size > 1000
