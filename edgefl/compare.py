@@ -112,8 +112,9 @@ def compare(
         else:
             plots += plot_seeds(groups, plot_dir, f"{title}, {seeds} seeds")
             means = seeds_table([[summary for summary, _ in group] for group in groups])
-            sections.append(f"### {profile}, {seeds} seeds\n\n{means}\n\nEach run:\n\n{table(summaries)}\n\n"
-                            f"{regimes}\n")  # fmt: skip
+            each = [f"Seed {base.seed + i} (speedups against its {strategies[0]} run):\n\n"
+                    + table([group[i][0] for group in groups]) for i in range(seeds)]  # fmt: skip
+            sections.append(f"### {profile}, {seeds} seeds\n\n{means}\n\n" + "\n\n".join(each) + f"\n\n{regimes}\n")
     text = "\n".join(sections)
     (out / "report.md").write_text(text)
     return text, plots

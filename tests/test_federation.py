@@ -233,7 +233,9 @@ def test_compare_over_two_seeds_runs_each_strategy_per_seed_on_one_federation_an
         for seed in (3, 4):
             summary = json.loads((run_dir / "lan" / strategy / f"seed-{seed}" / "summary.json").read_text())
             assert summary["seed"] == seed and summary["rounds"] == 2 and summary["eval_examples"] > 0
-    means, runs = (run_dir / "report.md").read_text().split("Each run:")
+    means, *seeds = (run_dir / "report.md").read_text().split("\nSeed ")
+    assert [seed.split(" ", 1)[0] for seed in seeds] == ["3", "4"]  # a table of each seed's runs, paired
+    runs = "".join(seeds)
     assert means.startswith("### lan, 2 seeds\n\n| strategy | link | seeds | final acc | gap (points) |")
     mean_rows = [line for line in means.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [row.split(" | ")[:3] for row in mean_rows] == [["| fedavg", "lan", "2"], ["| dga:1", "lan", "2"]]
