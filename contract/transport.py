@@ -513,9 +513,10 @@ class _Lane:
 class WarmLanes(httpx.BaseTransport):
     """Connections of one kind (objects down, or objects up), each an httpx pool of one; a request goes on the idle
     one that has carried the most bytes its way (``down``: response bodies, else request bodies), a new one when
-    none is idle. A connection's windows grow with what it carries, so the model of a message pulled as three
-    objects at once, or pulled again after the SuperLink said it was not there yet, goes where the last model went
-    instead of where the oldest idle connection is. A connection idle past ``KEEPALIVE_S`` has been closed: it
+    none is idle. A connection's windows grow with what it carries, so a model pulled again after the SuperLink said
+    it was not there yet goes where the last model went instead of where the oldest idle connection is; of a
+    message's three objects asked for at once, the first to ask takes that connection, and Flower asks for a
+    message's leaves first, the payload among them. A connection idle past ``KEEPALIVE_S`` has been closed: it
     counts as new."""
 
     def __init__(
