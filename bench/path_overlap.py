@@ -33,6 +33,7 @@ from typing import Any
 
 from results import table_text, write_result
 
+from contract.errors import EdgeflError
 from contract.run_folder import CONFIG, MESSAGES, read_rounds
 from contract.settings import load_config
 
@@ -118,8 +119,13 @@ def main() -> int:
             print(f"error: {run} has no training message served by an agent whose log says so (a deployed run's folder "
                   "with logs/agent-*.log and messages.jsonl)", file=sys.stderr)  # fmt: skip
             return 2
+        try:
+            most = load_config(run / CONFIG).client_job().most_held
+        except (OSError, EdgeflError) as exc:
+            print(f"error: {run}'s {CONFIG} does not give its run's settings ({exc})", file=sys.stderr)
+            return 2
         figures[str(run)] = part = split(found)
-        part["most_held"] = most = load_config(run / CONFIG).client_job().most_held
+        part["most_held"] = most
         beside = part["down"]["overlapped"]
         holding = ", ".join(f"{n}: {count}" for n, count in beside["held_at_push"].items()) or "—"
         handed = (

@@ -53,3 +53,13 @@ def test_a_folder_without_served_messages_is_one_line_and_exit_2(tmp_path: Path)
     done = _bench(str(tmp_path), "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "has no training message served" in done.stderr
+
+
+def test_a_folder_without_its_settings_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "messages.jsonl").write_text(json.dumps(_message("a", 0.0, 6.0, 4.0)) + "\n")
+    (run / "logs" / "agent-0.log").write_text(_served("a", 1.0, 5.0))
+    done = _bench(str(run), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "config.toml does not give its run's settings" in done.stderr
