@@ -210,7 +210,7 @@ def seeds_table(groups: list[list[dict[str, Any]]]) -> str:
         to_target = [ratio(b, r, "time_to_target_s") for b, r in pairs]
         cells = [
             _interval([r["final_accuracy"] for r in runs], ".4f"),
-            _interval([None if (g := accuracy_gap(b, r)) is None else g[0] for b, r in pairs], "+.2f"),
+            _interval([_points(b["final_accuracy"], r["final_accuracy"]) for b, r in pairs], "+.2f"),
             _interval([r["time_to_target_s"] for r in runs if r.get("time_to_target_s") is not None], ".1f"),
             f"{sum(r.get('time_to_target_s') is not None for r in runs)} of {len(runs)}",
             _interval([x for x in to_target if x is not None], ".2f", "x"),
@@ -218,6 +218,10 @@ def seeds_table(groups: list[list[dict[str, Any]]]) -> str:
         ]
         lines.append(f"| {label(runs[0])} | {runs[0]['link_profile']} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _points(base: float | None, other: float | None) -> float | None:
+    return None if base is None or other is None else 100 * (other - base)
 
 
 def _interval(values: list[Any], spec: str, unit: str = "") -> str:

@@ -308,8 +308,9 @@ class Evaluator:
                     if accuracy is not None:
                         log.info("round %d  accuracy %.4f  loss %.4f  wall %.1f s", item.checkpoint.round,
                                  accuracy, loss, item.row["wall_s"])  # fmt: skip
-                    row = {**item.row, "test_loss": loss, "test_accuracy": accuracy}
-                    self.folder.append(ROUNDS, {**row, "eval_examples": len(self.y) if accuracy is not None else 0})
+                    examples = len(self.y) if accuracy is not None else 0
+                    row = {**item.row, "test_loss": loss, "test_accuracy": accuracy, "eval_examples": examples}
+                    self.folder.append(ROUNDS, row)
                 if done:
                     self.folder.save_checkpoint(done[-1].checkpoint)
             except BaseException as exc:  # raised in the loop's thread by check()
